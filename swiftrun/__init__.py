@@ -1,0 +1,34 @@
+"""swiftrun: a drop-in torchrun replacement that recovers failed ranks in place.
+
+``import swiftrun`` stays cheap (no torch import) so the launcher starts fast; the training-side API is loaded
+on first use:
+
+- :class:`swiftrun.Run`: register what must survive a failure and drive the training loop;
+- :class:`swiftrun.ResumableDistributedSampler`: a DistributedSampler that can resume at any step;
+- :func:`swiftrun.report`: send extra metrics (tokens/s, learning rate) to the launcher's dashboard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["Run", "ResumableDistributedSampler", "report", "under_swiftrun", "__version__"]
+
+_LAZY = {
+    "Run": ("swiftrun.runtime.api", "Run"),
+    "ResumableDistributedSampler": ("swiftrun.runtime.sampler", "ResumableDistributedSampler"),
+    "report": ("swiftrun.runtime.api", "report"),
+    "under_swiftrun": ("swiftrun.runtime.env", "under_swiftrun"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'swiftrun' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

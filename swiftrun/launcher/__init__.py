@@ -1,0 +1,22 @@
+"""The supervisor of one node: ``launch(config)`` runs a job to the end and returns its exit status."""
+
+from __future__ import annotations
+
+from swiftrun.config import EntrypointKind, LaunchConfig
+from swiftrun.errors import LaunchError
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job described by ``config``; returns the exit status for the launcher process."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from swiftrun.dashboard.live import make_reporter
+    from swiftrun.launcher.agent import Agent, new_log_root
+
+    ep = config.entrypoint
+    if ep.kind is EntrypointKind.SCRIPT and not Path(ep.target).is_file():
+        raise LaunchError(f"training script {ep.target!r} not found")
+    reporter = make_reporter(Console(stderr=False), config.dashboard)
+    return Agent(config, reporter, new_log_root(config)).run()

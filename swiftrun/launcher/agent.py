@@ -1,0 +1,439 @@
+"""The launcher's one event loop: it owns the ROUTER socket, the children's pidfds and the signal pipe.
+
+Each turn it waits (never longer than the state machine's next deadline) for a message, a child's exit or a
+signal, feeds what happened to :class:`~swiftrun.launcher.job.Job`, and carries out the actions it answers with.
+Nothing else touches the sockets; the dashboard only ever reads published snapshots.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from swiftrun import protocol
+from swiftrun.config import LaunchConfig
+from swiftrun.errors import LaunchError, ProtocolError
+from swiftrun.dashboard.live import Dashboard
+from swiftrun.events import EventLog, EventName
+from swiftrun.launcher import envs, procs
+from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
+from swiftrun.launcher.failures import format_summary, read_error_file
+from swiftrun.launcher.job import Job
+from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
+from swiftrun.launcher.store import AgentStore
+from swiftrun.snapshot import JobSnapshot, PhaseView, RankView, RecoveryPhase, RecoveryView
+
+SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots
+
+
+class Agent:
+    def __init__(self, config: LaunchConfig, reporter: Any, log_root: Path) -> None:
+        self.config = config
+        self.reporter = reporter
+        self.log_root = log_root
+        self.run_id = config.rdzv_id if config.rdzv_id != "none" else "none"
+        self.token = secrets.token_hex(16)
+        self.procs: dict[int, procs.WorkerProcess] = {}
+        self.identities: dict[int, bytes] = {}  # slot -> ZeroMQ routing id
+        self.slot_by_identity: dict[bytes, int] = {}
+        self.deferred: dict[int, list[Send]] = collections.defaultdict(list)
+        self.notes: collections.deque[str] = collections.deque(maxlen=8)
+        self.exit_code: int | None = None
+        self._last_snapshot = 0.0
+        self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=50)
+        self._last_progress_step = -1
+        self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-"))  # 0700: only this user reaches the socket
+        self.ctl_addr = f"ipc://{self._run_dir}/ctl"
+        self.event_log_path = config.event_log or (log_root / "events.jsonl")
+        self.event_log = EventLog(self.event_log_path)
+        self.t0 = time.monotonic()
+        self.store: AgentStore | None = None
+        self.live = isinstance(reporter, Dashboard)  # worker output must go above the live region
+        self.plan = OutputPlan(config, relay_console=self.live)
+        self.pump: LogPump | None = None
+        self.job: Job | None = None
+        self._reaped: set[int] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.linger = 0
+        router.router_mandatory = 1
+        sig_r, sig_w = socket.socketpair()
+        sig_r.setblocking(False)
+        sig_w.setblocking(False)
+        old_handlers: dict[int, Any] = {}
+        old_wakeup = -1
+        try:
+            router.bind(self.ctl_addr)
+            master_addr, port = self._store_endpoint()
+            self.store = AgentStore(master_addr, port, self.config.world_size)
+            self.ends = envs.JobEndpoints(
+                master_addr=master_addr, master_port=self.store.port, ctl_addr=self.ctl_addr, token=self.token,
+                run_id=self.run_id, attempt_dir=self._attempt_dir(0),
+            )
+            for signum in self.config.signals_to_handle:
+                old_handlers[signum] = signal.signal(signum, _record_signal)
+            old_wakeup = signal.set_wakeup_fd(sig_w.fileno(), warn_on_full_buffer=False)
+            if self.plan.piped:
+                self.pump = LogPump(self.plan, self._console_line)
+            banner = envs.omp_threads_banner(self.config)
+            if banner:
+                print(banner, file=sys.stderr)
+            self.reporter.start()
+            self._note(f"event log: {self.event_log_path}")
+            self.job = Job(self.config, time.monotonic())
+            self.event_log.write(EventName.JOB_START, config=_config_dict(self.config), world_size=self.config.world_size,
+                                 script=self.config.entrypoint.target, pid=os.getpid())
+            self._execute(self.job.start(time.monotonic()))
+            self._loop(router, sig_r)
+        finally:
+            self._teardown(router, ctx, sig_r, sig_w, old_handlers, old_wakeup)
+        return self.exit_code if self.exit_code is not None else 1
+
+    def _store_endpoint(self) -> tuple[str, int]:
+        c = self.config
+        if c.rdzv_backend == "c10d" and c.rdzv_endpoint:
+            host, _, port = c.rdzv_endpoint.rpartition(":") if ":" in c.rdzv_endpoint else (c.rdzv_endpoint, "", "29400")
+            return (host or c.master_addr), int(port)
+        return c.master_addr, c.master_port
+
+    def _loop(self, router: zmq.Socket, sig_r: socket.socket) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(sig_r.fileno(), zmq.POLLIN)
+        registered_fds: dict[int, int] = {}
+        assert self.job is not None
+        while self.exit_code is None:
+            for slot_id, proc in self.procs.items():  # keep pidfds in the poller in step with the processes
+                if proc.pidfd is not None and proc.pidfd not in registered_fds:
+                    registered_fds[proc.pidfd] = slot_id
+                    poller.register(proc.pidfd, zmq.POLLIN)
+            now = time.monotonic()
+            timeout = max(0.0, self.job.next_deadline(now) - now)
+            if any(p.pidfd is None and p.alive for p in self.procs.values()):
+                timeout = min(timeout, self.config.monitor_interval)
+            ready = dict(poller.poll(timeout * 1000))
+            if router in ready:
+                self._drain_router(router)
+            if sig_r.fileno() in ready:
+                for signum in _drain_signals(sig_r):
+                    self._execute(self.job.on_signal(signum, time.monotonic()))
+            for fd in [fd for fd in ready if isinstance(fd, int) and fd in registered_fds]:
+                poller.unregister(fd)
+                slot_id = registered_fds.pop(fd)
+                self._reap(slot_id)
+            for slot_id, proc in list(self.procs.items()):  # processes without a pidfd, and missed exits
+                if proc.pidfd is None and proc.alive and proc.poll() is not None:
+                    self._reap(slot_id)
+            self._execute(self.job.tick(time.monotonic()))
+            self._flush(router)
+            self._publish(time.monotonic())
+
+    def _reap(self, slot_id: int) -> None:
+        assert self.job is not None
+        if slot_id in self._reaped:
+            return
+        self._reaped.add(slot_id)
+        proc = self.procs[slot_id]
+        rc = proc.popen.wait()  # the pidfd said it exited: this does not block
+        proc.returncode = rc
+        proc._close_fds()
+        slot = self.job.slots[slot_id]
+        if slot.traceback is None and slot.rank is not None:
+            error_file = self.ends.attempt_dir / str(self._local(slot.rank)) / "error.json"
+            slot.traceback = read_error_file(str(error_file)) if error_file.exists() else None
+        cause = procs.describe_exit(rc)
+        self._execute(self.job.on_exit(slot_id, rc, time.monotonic(), cause=cause if rc else ""))
+
+    # ------------------------------------------------------------------ messages
+
+    def _drain_router(self, router: zmq.Socket) -> None:
+        assert self.job is not None
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                msg = protocol.decode(body)
+            except ProtocolError as exc:
+                self._note(f"dropped a malformed control message: {exc}")
+                continue
+            now = time.monotonic()
+            if isinstance(msg, protocol.Hello):
+                self._on_hello(router, identity, msg, now)
+                continue
+            slot_id = self.slot_by_identity.get(identity)
+            if slot_id is None:
+                continue  # a peer that never said a valid HELLO
+            slot = self.job.slots[slot_id]
+            if isinstance(msg, protocol.Heartbeat):
+                self._execute(self.job.on_alive(slot_id, now, msg.step))
+            elif isinstance(msg, protocol.Status):
+                self._execute(self.job.on_status(slot_id, now, msg.step, msg.loss, msg.step_time, msg.metrics))
+                if slot.rank == 0 and msg.step != self._last_progress_step:
+                    self._progress.append((now, msg.step))
+                    self._last_progress_step = msg.step
+            elif isinstance(msg, protocol.Event):
+                self._execute(self.job.on_event(slot_id, msg.gen, msg.event, msg.data, now))
+            elif isinstance(msg, protocol.Ack):
+                self._execute(self.job.on_ack(slot_id, msg.cmd_id, now))
+
+    def _on_hello(self, router: zmq.Socket, identity: bytes, msg: protocol.Hello, now: float) -> None:
+        assert self.job is not None
+        if msg.token != self.token or msg.proto != protocol.PROTOCOL_VERSION:
+            self._note(f"refused a control connection from pid {msg.pid} (wrong token or protocol version)")
+            return
+        slot_id = next((sid for sid, p in self.procs.items() if p.pid == msg.pid), None)
+        if slot_id is None:
+            return
+        self.identities[slot_id] = identity
+        self.slot_by_identity[identity] = slot_id
+        welcome = protocol.Welcome(gen=self.job.generation, heartbeat_interval=self.config.timeouts.heartbeat_interval,
+                                   heartbeat_timeout=self.config.timeouts.heartbeat_timeout)
+        self._send_raw(router, slot_id, welcome)
+        self._execute(self.job.on_hello(slot_id, msg.gen, now))
+
+    def _flush(self, router: zmq.Socket) -> None:
+        for slot_id in list(self.deferred):
+            if slot_id in self.identities:
+                for send in self.deferred.pop(slot_id):
+                    self._send_command(router, send)
+
+    def _send_command(self, router: zmq.Socket, send: Send) -> None:
+        msg = protocol.Command(gen=send.generation, cmd_id=send.cmd_id, command=send.command, args=send.args)
+        self._send_raw(router, send.slot_id, msg)
+
+    def _send_raw(self, router: zmq.Socket, slot_id: int, msg: protocol.Message) -> None:
+        identity = self.identities.get(slot_id)
+        if identity is None:
+            return
+        try:
+            router.send_multipart([identity, *protocol.encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the peer is gone; its pidfd tells the state machine
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, actions: list[Action]) -> None:
+        assert self.job is not None
+        actions = actions + self.job.drain_records()
+        for action in actions:
+            if isinstance(action, Spawn):
+                self._spawn(action)
+            elif isinstance(action, Assign):
+                self._assign(action)
+            elif isinstance(action, Send):
+                self.deferred[action.slot_id].append(action)
+            elif isinstance(action, Kill):
+                proc = self.procs.get(action.slot_id)
+                if proc is not None:
+                    proc.signal_group(action.signum)
+            elif isinstance(action, ResetStore):
+                assert self.store is not None
+                self.store.reset()
+                self.ends = envs.JobEndpoints(**{**self.ends.__dict__, "attempt_dir": self._attempt_dir(action.attempt)})
+            elif isinstance(action, Record):
+                self.event_log.write(action.event, at=action.at, **action.fields)
+            elif isinstance(action, Note):
+                self._note(action.text)
+            elif isinstance(action, Finish):
+                self.exit_code = action.exit_code
+
+    def _spawn(self, action: Spawn) -> None:
+        assert self.job is not None
+        env = envs.worker_environ(
+            self.config, self.ends, action.rank, attempt=action.attempt, incarnation=action.incarnation,
+            generation=action.generation, joining=action.joining,
+        )
+        local_rank = None if action.rank is None else self._local(action.rank)
+        argv = procs.worker_argv(self.config, spare=action.rank is None)
+        try:
+            if self.plan.piped:
+                proc = procs.spawn(argv, env, subprocess.PIPE, subprocess.PIPE)
+                assert self.pump is not None
+                self.pump.add(action.slot_id, local_rank, proc.stdout, proc.stderr, self.ends.attempt_dir)
+            else:
+                target = self.plan.inherit_target(local_rank)
+                proc = procs.spawn(argv, env, target, target)
+        except LaunchError as exc:
+            self._execute(self.job.on_spawn_failed(action.slot_id, str(exc), time.monotonic()))
+            return
+        self.procs[action.slot_id] = proc
+        self._execute(self.job.on_spawned(action.slot_id, proc.pid, time.monotonic()))
+
+    def _assign(self, action: Assign) -> None:
+        env = envs.rank_env(self.config, self.ends, action.rank, action.attempt)
+        env.update({envs.INCARNATION: str(action.incarnation), envs.GENERATION: str(action.generation),
+                    envs.JOINING: "1", envs.SPARE: "0"})
+        if self.pump is not None:
+            self.pump.relabel(action.slot_id, self._local(action.rank), self.ends.attempt_dir)
+        self.deferred[action.slot_id].append(
+            Send(action.slot_id, action.generation, 0, protocol.CommandKind.ASSIGN, {"env": env, "rank": action.rank})
+        )
+
+    # ------------------------------------------------------------------ output
+
+    def _console_line(self, line: str, is_stderr: bool) -> None:
+        if self.live:
+            self.reporter.print_line(line)
+        else:
+            stdio_writer(line, is_stderr)
+
+    def _note(self, text: str) -> None:
+        self.notes.append(text)
+        if self.live:
+            self.reporter.print_line(f"swiftrun: {text}")
+        else:
+            print(f"swiftrun: {text}", file=sys.stderr, flush=True)
+
+    def _publish(self, now: float, force: bool = False) -> None:
+        if not force and now - self._last_snapshot < SNAPSHOT_PERIOD:
+            return
+        self._last_snapshot = now
+        self.reporter.update(self.snapshot(now))
+
+    def snapshot(self, now: float) -> JobSnapshot:
+        job = self.job
+        assert job is not None
+        ranks = []
+        for rank in range(self.config.world_size):
+            slot = job.slot_of_rank(rank)
+            ranks.append(RankView(
+                rank=rank, local_rank=self._local(rank), pid=slot.pid, state=slot.state, step=slot.step,
+                loss=slot.loss, step_time=slot.step_time,
+                heartbeat_age=(now - slot.last_seen) if slot.hello and slot.alive else None,
+                restarts=slot.incarnation, metrics=dict(slot.metrics),
+            ))
+        rec = job.recovery or job.last_recovery
+        recovery = None
+        if rec is not None:
+            phases = []
+            for phase in RecoveryPhase:
+                if phase in rec.phase_duration:
+                    phases.append(PhaseView(phase, rec.phase_duration[phase]))
+                elif phase in rec.phase_start and not rec.done:
+                    phases.append(PhaseView(phase, None))
+            recovery = RecoveryView(rec.generation, rec.failed_ranks, rec.cause, tuple(phases), rec.mode,
+                                    rec.source_rank, rec.done, rec.total)
+        steps_per_s = None
+        if len(self._progress) >= 2:
+            (t_a, s_a), (t_b, s_b) = self._progress[0], self._progress[-1]
+            if t_b > t_a:
+                steps_per_s = (s_b - s_a) / (t_b - t_a)
+        samples = None
+        rank0 = job.slot_of_rank(0)
+        for key in ("samples_per_s", "tokens_per_s"):
+            if key in rank0.metrics:
+                samples = rank0.metrics[key] * self.config.world_size
+        return JobSnapshot(
+            script=self.config.entrypoint.target, world_size=self.config.world_size, nnodes=self.config.nnodes[0],
+            generation=job.generation, state=job.state, uptime=now - self.t0, ranks=tuple(ranks),
+            steps_per_s=steps_per_s, samples_per_s=samples, failures=len(job.failures), time_lost=job.time_lost,
+            recovery=recovery, events=tuple(self.notes), event_log=str(self.event_log_path),
+        )
+
+    # ------------------------------------------------------------------ teardown
+
+    def _teardown(self, router, ctx, sig_r, sig_w, old_handlers, old_wakeup) -> None:
+        # whatever happened, no worker outlives the launcher
+        for proc in self.procs.values():
+            if proc.alive:
+                proc.signal_group(signal.SIGKILL)
+        for proc in self.procs.values():
+            if proc.popen.returncode is None:
+                try:
+                    proc.popen.wait(timeout=5)
+                except Exception:
+                    pass
+            proc._close_fds()
+        if old_wakeup is not None:
+            signal.set_wakeup_fd(old_wakeup)
+        for signum, handler in old_handlers.items():
+            signal.signal(signum, handler)
+        if self.pump is not None:
+            self.pump.close()
+        router.close(linger=0)
+        ctx.term()
+        sig_r.close()
+        sig_w.close()
+        if self.job is not None:
+            now = time.monotonic()
+            self._publish(now, force=True)
+            self.event_log.write(EventName.JOB_END, outcome="succeeded" if self.exit_code == 0 else "failed",
+                                 exit_code=self.exit_code, duration=now - self.t0, failures=len(self.job.failures),
+                                 time_lost=self.job.time_lost)
+        self.reporter.stop()
+        self.event_log.close()
+        if self.store is not None:
+            self.store.close()
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+        if self.job is not None and self.exit_code not in (0, None) and self.job.failures:
+            print(format_summary(self.config.entrypoint.target, self.job.failures), file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _attempt_dir(self, attempt: int) -> Path:
+        return self.log_root / f"attempt_{attempt}"
+
+    def _local(self, rank: int) -> int:
+        return rank - self.config.node_rank * self.config.nproc_per_node
+
+
+def _record_signal(signum, frame) -> None:
+    """Handlers only mark the signal; the wakeup fd carries it to the loop."""
+
+
+def _drain_signals(sock: socket.socket) -> list[int]:
+    out: list[int] = []
+    while True:
+        try:
+            data = sock.recv(512)
+        except (BlockingIOError, InterruptedError):
+            return out
+        if not data:
+            return out
+        out.extend(data)
+
+
+def _config_dict(config: LaunchConfig) -> dict[str, Any]:
+    import dataclasses
+
+    def convert(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, (tuple, list, frozenset, set)):
+            return [convert(v) for v in value]
+        if isinstance(value, Path):
+            return str(value)
+        if hasattr(value, "value"):
+            return value.value
+        return value
+
+    return convert(config)
+
+
+def new_log_root(config: LaunchConfig) -> Path:
+    """torchrun's layout: ``<log_dir>/<run_id>_<random>``; without --log-dir a fresh temporary folder."""
+    if config.log_dir is None:
+        return Path(tempfile.mkdtemp(prefix="swiftrun_"))
+    root = config.log_dir / f"{config.rdzv_id}_{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root

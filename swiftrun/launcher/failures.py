@@ -1,0 +1,176 @@
+"""Worker failure records, the root cause, and torchrun's end-of-run failure summary.
+
+A :class:`ProcessFailure` is what the launcher knows about one worker that died or was killed: who it was,
+how it ended and, when the worker told us, its traceback. :func:`format_summary` prints the same block torchrun
+prints when a job fails (``torch/distributed/elastic/multiprocessing/errors``), so that people and log scrapers
+used to torchrun find what they expect. :func:`write_error_file` / :func:`read_error_file` speak the JSON format of
+torch's ``@record`` error files (``TORCHELASTIC_ERROR_FILE``), so that a worker decorated with ``@record`` under
+torchrun reports its traceback the same way under swiftrun.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+__all__ = ["ProcessFailure", "root_cause", "format_summary", "write_error_file", "read_error_file"]
+
+NOT_AVAILABLE = "<N/A>"
+NO_TRACEBACK_HINT = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+_SUMMARY_MAX_WIDTH = 60  # torchrun caps the rules at 60 characters
+
+
+@functools.lru_cache(maxsize=1)
+def _fqdn() -> str:
+    # getfqdn() may wait on DNS; look it up once per process, and only when a failure is recorded.
+    return socket.getfqdn()
+
+
+@dataclass(frozen=True)
+class ProcessFailure:
+    """One worker that ended badly, as observed by the launcher."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    exitcode: int  # negative: killed by signal -exitcode (the Popen convention)
+    timestamp: float  # time.time() when observed, for people
+    monotonic: float  # time.monotonic() when observed, for ordering
+    cause: str = ""  # why the launcher acted, e.g. "no heartbeat for 30.0s (hang)"
+    traceback: str | None = None  # the worker's traceback, when it raised and told us
+    error_file: str | None = None  # the worker's TORCHELASTIC_ERROR_FILE
+    hostname: str = field(default_factory=_fqdn)
+
+    def signal_name(self) -> str | None:
+        """The name of the signal that killed the worker ("SIGKILL" for -9), or None if it exited."""
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return None
+
+    def describe(self) -> str:
+        """One line for logs and the dashboard."""
+        who = f"rank {self.rank} (local_rank {self.local_rank})"
+        if self.exitcode < 0:
+            how = f"killed by {self.signal_name() or f'signal {-self.exitcode}'}"
+        else:
+            how = f"exited with code {self.exitcode}"
+        line = f"{who} {how} (pid {self.pid})"
+        return f"{line}: {self.cause}" if self.cause else line
+
+
+def root_cause(failures: Iterable[ProcessFailure]) -> ProcessFailure:
+    """The first observed failure (earliest ``monotonic``); the first listed wins a tie."""
+    failures = list(failures)
+    if not failures:
+        raise ValueError("root_cause() needs at least one failure")
+    return min(failures, key=lambda f: f.monotonic)
+
+
+def format_summary(entrypoint: str, failures: list[ProcessFailure]) -> str:
+    """torchrun's failure block: the other failures, then the root cause, between ``=`` rules.
+
+    Failures are listed in the order they were observed, so the root cause is ``[0]``. One line is added to
+    torchrun's layout, ``cause``, and only for failures the launcher diagnosed itself (a hang, a stall): there a
+    bare "Signal 9" would hide why the worker was killed.
+    """
+    if not failures:
+        raise ValueError("format_summary() needs at least one failure")
+    ordered = sorted(failures, key=lambda f: f.monotonic)  # stable: ties keep their given order
+    blocks = [_format_failure(idx, failure) for idx, failure in enumerate(ordered)]
+    title = f"{entrypoint} FAILED"
+    width = min(max([len(title)] + [len(line) for block in blocks for line in block.splitlines()]), _SUMMARY_MAX_WIDTH)
+    rule, section = "=" * width, "-" * width
+    others = "\n".join(blocks[1:]) or "  <NO_OTHER_FAILURES>"
+    return "\n".join(
+        [rule, title, section, "Failures:", others, section, "Root Cause (first observed failure):", blocks[0], rule]
+    )
+
+
+def _format_failure(idx: int, failure: ProcessFailure) -> str:
+    signal_name = failure.signal_name()
+    exitcode = f"{failure.exitcode} (pid: {failure.pid})" + (f" ({signal_name})" if signal_name else "")
+    error_file = failure.error_file if failure.error_file and os.path.isfile(failure.error_file) else NOT_AVAILABLE
+    time_text = datetime.fromtimestamp(int(failure.timestamp)).isoformat(sep="_")
+    lines = [
+        f"[{idx}]:",
+        f"  time      : {time_text}",
+        f"  host      : {failure.hostname}",
+        f"  rank      : {failure.rank} (local_rank: {failure.local_rank})",
+        f"  exitcode  : {exitcode}",
+        f"  error_file: {error_file}",
+    ]
+    if failure.cause:
+        lines.append(f"  cause     : {failure.cause}")
+    lines.append(f"  traceback : {_traceback_text(failure)}")
+    return "\n".join(lines)
+
+
+def _traceback_text(failure: ProcessFailure) -> str:
+    text = failure.traceback
+    if text is None and failure.error_file:
+        text = read_error_file(failure.error_file)
+    if text:
+        return text.rstrip("\n").replace("\n", "\n  ")  # indent continuation lines, as torchrun does
+    if failure.exitcode < 0:
+        return f"Signal {-failure.exitcode} ({failure.signal_name() or NOT_AVAILABLE}) received by PID {failure.pid}"
+    return NO_TRACEBACK_HINT
+
+
+def write_error_file(path: str | os.PathLike[str], exc_type: str | type[BaseException], message: str, traceback_text: str) -> None:
+    """Write an error file in the format of torch's ``@record`` (``ErrorHandler.record_exception``).
+
+    The file is written to a temporary name and renamed, so a reader never sees half of it.
+    """
+    type_name = exc_type if isinstance(exc_type, str) else exc_type.__name__
+    data = {
+        "message": {
+            "message": f"{type_name}: {message}",
+            "extraInfo": {"py_callstack": traceback_text, "timestamp": str(int(time.time()))},
+        }
+    }
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as fp:
+            json.dump(data, fp)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_error_file(path: str | os.PathLike[str]) -> str | None:
+    """The traceback recorded in an error file (else its message), or None if there is no usable file.
+
+    Accepts both layouts torch reads: ``{"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}`` and
+    the newer ``{"message": "...", "timestamp": ...}``.
+    """
+    try:
+        with open(path) as fp:
+            data = json.load(fp)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, str):
+        return message or None
+    if not isinstance(message, dict):
+        return None
+    extra = message.get("extraInfo")
+    callstack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    if isinstance(callstack, str) and callstack:
+        return callstack
+    text = message.get("message")
+    return text if isinstance(text, str) and text else None

@@ -1,0 +1,655 @@
+"""The supervisor's decisions, as a pure state machine.
+
+:class:`Job` receives events (a process exited, a message arrived, time passed, a signal came) together with the
+current monotonic time and answers with :mod:`actions <swiftrun.launcher.actions>` for the agent to carry out.
+It never touches a process, a socket or the clock itself, so every decision can be replayed in a unit test.
+
+Vocabulary: a *rank* is a position in the job (0..world-1); a *slot* is one process, identified by an increasing
+slot id. A rank is served by one slot at a time; a replacement is a new slot (new incarnation) for the same rank.
+A *spare* is a slot without a rank, warmed up and waiting to become one.
+
+Failure handling, in order of preference:
+
+1. Swift in-place recovery (every rank created ``swiftrun.Run``, the job is not in restart mode, at least one
+   replica survived, budget left): generation += 1, ABORT to survivors, a replacement per failed rank, RECOVER
+   once everyone is ready, RESUME once everyone recovered. The barrier lives here, never in a collective.
+2. Restart of every worker (torchrun's behaviour) while ``--max-restarts`` allows, on a fresh store.
+3. Stop, with the first failure as the root cause.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from swiftrun.config import LaunchConfig, RecoveryMode
+from swiftrun.events import EventName
+from swiftrun.launcher.actions import (
+    Action,
+    Assign,
+    Finish,
+    Kill,
+    Note,
+    Record,
+    ResetStore,
+    Send,
+    Spawn,
+)
+from swiftrun.launcher.failures import ProcessFailure
+from swiftrun.protocol import CommandKind, EventKind
+from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
+
+LIVE = {
+    WorkerState.STARTING,
+    WorkerState.RUNNING,
+    WorkerState.ABORTING,
+    WorkerState.JOINING,
+    WorkerState.RECOVERING,
+    WorkerState.REPLAYING,
+    WorkerState.RESTARTING,
+    WorkerState.STOPPING,
+}
+
+
+@dataclass
+class Slot:
+    """One worker process as the supervisor sees it."""
+
+    slot_id: int
+    rank: int | None  # None: a spare
+    incarnation: int
+    state: WorkerState = WorkerState.STARTING
+    pid: int | None = None
+    spawned_at: float = 0.0
+    hello: bool = False
+    last_seen: float = 0.0
+    registered: bool = False  # created swiftrun.Run
+    ready_gen: int = -1  # generation this slot reported ABORTED/JOINING for
+    recovered_gen: int = -1
+    finishing: bool = False
+    step: int | None = None
+    step_changed_at: float = 0.0
+    loss: float | None = None
+    step_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    traceback: str | None = None
+    exit_code: int | None = None
+    recovery_data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.state in LIVE
+
+
+@dataclass
+class Recovery:
+    """The book-keeping of one in-place recovery (possibly spanning several generations)."""
+
+    generation: int
+    failed_ranks: tuple[int, ...]
+    cause: str
+    failed_at: float
+    detect: float  # seconds from the failure to its detection
+    started_at: float  # detection time
+    deadline: float
+    phase_start: dict[RecoveryPhase, float] = field(default_factory=dict)
+    phase_duration: dict[RecoveryPhase, float] = field(default_factory=dict)
+    recover_sent_at: float | None = None
+    mode: str | None = None
+    source_rank: int | None = None
+    done: bool = False
+    total: float | None = None
+
+
+class Job:
+    """The supervisor state machine of one node. Feed it events; carry out what it returns."""
+
+    def __init__(self, config: LaunchConfig, now: float) -> None:
+        self.config = config
+        self.state = JobState.STARTING
+        self.started_at = now
+        self.generation = 0
+        self.attempt = 0  # torchrun's restart count
+        self.recoveries_used = 0
+        self.slots: dict[int, Slot] = {}
+        self.rank_slot: dict[int, int] = {}
+        self.failures: list[ProcessFailure] = []
+        self.recovery: Recovery | None = None
+        self.last_recovery: Recovery | None = None
+        self.swift_started = False  # START sent: every rank registered swiftrun.Run this attempt
+        self.stop_deadline: float | None = None
+        self.exit_code: int | None = None
+        self.time_lost = 0.0
+        self.spare_failures = 0
+        self._next_slot = 0
+        self._next_cmd = 0
+        self._stop_signal: int | None = None
+        self._restart_pending = False
+        self._restart_started = now
+        self._records: list[Action] = []  # records produced outside an event's action list (recovery end)
+
+    # ------------------------------------------------------------------ events
+
+    def start(self, now: float) -> list[Action]:
+        actions: list[Action] = [Record(EventName.JOB_START, {"world_size": self.config.world_size})]
+        for rank in range(self.config.world_size):
+            actions += self._spawn_rank(rank, now, incarnation=0, joining=False)
+        actions += self._replenish_spares(now)
+        self.state = JobState.RUNNING
+        return actions
+
+    def on_spawned(self, slot_id: int, pid: int, now: float) -> list[Action]:
+        slot = self.slots[slot_id]
+        slot.pid = pid
+        slot.spawned_at = now
+        slot.last_seen = now
+        if self.config.entrypoint.kind.value == "executable":
+            # no runtime inside: the process is running as soon as it exists
+            return self._set_state(slot, WorkerState.RUNNING, now)
+        return []
+
+    def on_spawn_failed(self, slot_id: int, reason: str, now: float) -> list[Action]:
+        slot = self.slots[slot_id]
+        slot.exit_code = 127
+        return self.on_exit(slot_id, 127, now, cause=reason)
+
+    def on_hello(self, slot_id: int, gen: int, now: float) -> list[Action]:
+        slot = self.slots[slot_id]
+        slot.hello = True
+        slot.last_seen = now
+        if slot.rank is None or slot.state is not WorkerState.STARTING:
+            return []
+        # a replacement joins survivors; an original worker starts running
+        return self._set_state(slot, WorkerState.JOINING if slot.incarnation > 0 and self.recovery else WorkerState.RUNNING, now)
+
+    def on_alive(self, slot_id: int, now: float, step: int | None = None) -> list[Action]:
+        slot = self.slots[slot_id]
+        slot.last_seen = now
+        if step is not None and step >= 0 and step != slot.step:
+            slot.step = step
+            slot.step_changed_at = now
+        return []
+
+    def on_status(self, slot_id: int, now: float, step: int, loss: Any, step_time: Any, metrics: dict) -> list[Action]:
+        slot = self.slots[slot_id]
+        self.on_alive(slot_id, now, step)
+        if isinstance(loss, (int, float)):
+            slot.loss = float(loss)
+        if isinstance(step_time, (int, float)):
+            slot.step_time = float(step_time)
+        slot.metrics.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        return []
+
+    def on_event(self, slot_id: int, gen: int, kind: EventKind, data: dict[str, Any], now: float) -> list[Action]:
+        slot = self.slots[slot_id]
+        slot.last_seen = now
+        if kind is EventKind.FAILED:
+            slot.traceback = str(data.get("traceback") or "") or None
+            return []
+        if slot.rank is None or not slot.alive:
+            return []
+        if kind is EventKind.REGISTERED:
+            slot.registered = True
+            return self._maybe_start_swift(now)
+        if kind in (EventKind.ABORTED, EventKind.JOINING):
+            if gen < self.generation:
+                # it answered an older round: tell it about the current one
+                return [self._command(slot, CommandKind.ABORT, {})]
+            slot.ready_gen = gen
+            return self._advance_recovery(now)
+        if kind is EventKind.RECOVERED:
+            if gen == self.generation:
+                slot.recovered_gen = gen
+                slot.recovery_data = dict(data)
+            return self._advance_recovery(now)
+        if kind is EventKind.UNRECOVERABLE:
+            reason = str(data.get("reason", "no consistent state could be reached in place"))
+            return self._escalate(now, f"rank {slot.rank}: {reason}")
+        if kind is EventKind.FINISHING:
+            slot.finishing = True
+            return self._maybe_release(now)
+        return []
+
+    def on_ack(self, slot_id: int, cmd_id: int, now: float) -> list[Action]:
+        self.slots[slot_id].last_seen = now
+        return []
+
+    def on_exit(self, slot_id: int, returncode: int, now: float, cause: str = "") -> list[Action]:
+        slot = self.slots[slot_id]
+        if not slot.alive:
+            return []
+        slot.exit_code = returncode
+        if slot.rank is None:  # a spare
+            slot.state = WorkerState.EXITED if returncode == 0 else WorkerState.FAILED
+            if returncode != 0 and self.state not in (JobState.STOPPING,) and not self.state.terminal:
+                self.spare_failures += 1
+            return self._replenish_spares(now) + self._maybe_finish(now)
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            actions = self._set_state(slot, WorkerState.EXITED if returncode == 0 else WorkerState.FAILED, now)
+            return actions + self._maybe_finish(now)
+        if returncode == 0 and not self.recovery:
+            actions = self._set_state(slot, WorkerState.EXITED, now)
+            return actions + self._maybe_finish(now)
+        failure = ProcessFailure(
+            rank=slot.rank,
+            local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
+            pid=slot.pid or 0,
+            exitcode=returncode,
+            timestamp=0.0,
+            monotonic=now,
+            cause=cause,
+            traceback=slot.traceback,
+        )
+        return self._on_failures([(slot, failure)], now, detect=0.0)
+
+    def on_signal(self, signum: int, now: float) -> list[Action]:
+        if self._stop_signal is not None:
+            # a second signal: no more grace
+            return [Kill(s.slot_id, signal.SIGKILL) for s in self._live_slots()]
+        self._stop_signal = signum
+        name = signal.Signals(signum).name
+        actions: list[Action] = [Note(f"received {name}: forwarding it to the workers")]
+        return actions + self._stop_all(now, 128 + signum, forward=signum)
+
+    def tick(self, now: float) -> list[Action]:
+        """Deadlines: silent workers, stalled workers, recovery and shutdown time limits."""
+        actions: list[Action] = []
+        t = self.config.timeouts
+        if self.stop_deadline is not None and now >= self.stop_deadline:
+            self.stop_deadline = None
+            actions += [Kill(s.slot_id, signal.SIGKILL) for s in self._live_slots()]
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            return actions
+        hung: list[tuple[Slot, ProcessFailure]] = []
+        for slot in self._live_slots():
+            if self.config.entrypoint.kind.value == "executable":
+                continue
+            silent_for = now - slot.last_seen
+            cause = ""
+            if not slot.hello:
+                if silent_for > t.startup_timeout:
+                    cause = f"did not start within {t.startup_timeout:g}s"
+            elif silent_for > t.heartbeat_timeout:
+                cause = f"no heartbeat for {silent_for:.1f}s (hung or stopped)"
+            elif (
+                t.progress_timeout
+                and slot.rank is not None
+                and slot.state is WorkerState.RUNNING
+                and slot.step is not None
+                and not slot.finishing
+                and now - slot.step_changed_at > t.progress_timeout
+            ):
+                cause = f"no progress past step {slot.step} for {now - slot.step_changed_at:.1f}s (stalled)"
+            if cause:
+                if slot.rank is None:
+                    actions.append(Kill(slot.slot_id, signal.SIGKILL))
+                    slot.state = WorkerState.FAILED
+                    continue
+                hung.append((slot, self._failure(slot, now, cause)))
+        if hung:
+            detect = max(now - s.last_seen for s, _ in hung)
+            actions += self._on_failures(hung, now, detect=min(detect, t.heartbeat_timeout))
+        rec = self.recovery
+        if rec and now >= rec.deadline:
+            laggards = [s for s in self._rank_slots() if s.alive and not self._slot_done_with_phase(s)]
+            if laggards:
+                failures = [
+                    (s, self._failure(s, now, f"did not finish recovery {rec.generation} within "
+                                              f"{t.recovery_timeout:g}s"))
+                    for s in laggards
+                ]
+                actions += self._on_failures(failures, now, detect=0.0)
+        return actions
+
+    def next_deadline(self, now: float) -> float:
+        """The earliest time :meth:`tick` may have something to do."""
+        t = self.config.timeouts
+        candidates = [now + max(t.heartbeat_interval, 0.05)]
+        if self.stop_deadline is not None:
+            candidates.append(self.stop_deadline)
+        if self.recovery:
+            candidates.append(self.recovery.deadline)
+        return min(candidates)
+
+    # ------------------------------------------------------------------ failures
+
+    def _failure(self, slot: Slot, now: float, cause: str) -> ProcessFailure:
+        assert slot.rank is not None
+        return ProcessFailure(
+            rank=slot.rank,
+            local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
+            pid=slot.pid or 0,
+            exitcode=-signal.SIGKILL,
+            timestamp=0.0,
+            monotonic=now,
+            cause=cause,
+            traceback=slot.traceback,
+        )
+
+    def _on_failures(self, failed: list[tuple[Slot, ProcessFailure]], now: float, detect: float) -> list[Action]:
+        actions: list[Action] = []
+        for slot, failure in failed:
+            self.failures.append(failure)
+            if slot.state is not WorkerState.FAILED:
+                actions += self._set_state(slot, WorkerState.FAILED, now)
+            # a hung or lagging process is still there: make sure it is gone before its rank is reborn
+            actions.append(Kill(slot.slot_id, signal.SIGKILL))
+            actions.append(Record(EventName.WORKER_FAILED, {
+                "rank": slot.rank, "incarnation": slot.incarnation, "pid": slot.pid,
+                "cause": failure.cause or failure.describe(), "exitcode": failure.exitcode,
+                "signal": failure.signal_name(), "traceback": failure.traceback,
+            }))
+            actions.append(Note(failure.describe()))
+        cause = "; ".join(f.cause or f.describe() for _, f in failed)
+        if self._can_recover_in_place():
+            return actions + self._begin_recovery([s.rank for s, _ in failed], cause, now, detect)
+        return actions + self._escalate(now, cause)
+
+    def _can_recover_in_place(self) -> bool:
+        if self.config.recovery is RecoveryMode.RESTART or not self.swift_started:
+            return False
+        if self.config.world_size < 2 or self.recoveries_used >= self.config.max_recoveries:
+            return False
+        ranks = self._rank_slots()
+        if any(s.state is WorkerState.EXITED for s in ranks):
+            return False  # some ranks already left: there is no group to repair
+        return any(s.alive for s in ranks)
+
+    def _escalate(self, now: float, cause: str) -> list[Action]:
+        """In-place recovery is not possible: restart everything if allowed, else stop."""
+        if self.recovery:
+            self._close_recovery(now, outcome="escalated")
+        if self.attempt < self.config.max_restarts:
+            self.state = JobState.RESTARTING
+            self._restart_pending = True
+            actions: list[Action] = [
+                Note(f"restarting every worker (restart {self.attempt + 1} of {self.config.max_restarts}): {cause}"),
+                Record(EventName.RESTART, {"attempt": self.attempt + 1, "reason": cause}),
+            ]
+            actions += self._signal_live(signal.SIGTERM, now, WorkerState.RESTARTING)
+            self.stop_deadline = now + self.config.timeouts.shutdown_timeout
+            self._restart_started = now
+            return actions + self._maybe_finish(now)
+        budget = "no restarts allowed (--max-restarts 0)" if not self.config.max_restarts else "restart budget spent"
+        return [Note(f"stopping the job: {budget}")] + self._stop_all(now, 1)
+
+    def _stop_all(self, now: float, exit_code: int, forward: int = signal.SIGTERM) -> list[Action]:
+        self.state = JobState.STOPPING
+        self.exit_code = exit_code if self.exit_code is None else self.exit_code
+        self.stop_deadline = now + self.config.timeouts.shutdown_timeout
+        if self.recovery:
+            self._close_recovery(now, outcome="stopped")
+        return self._signal_live(forward, now, WorkerState.STOPPING) + self._maybe_finish(now)
+
+    def _signal_live(self, sig: int, now: float, state: WorkerState) -> list[Action]:
+        actions: list[Action] = []
+        for slot in self._live_slots():
+            actions.append(Kill(slot.slot_id, sig))
+            actions += self._set_state(slot, state, now)
+        return actions
+
+    # ------------------------------------------------------------------ in-place recovery
+
+    def _begin_recovery(self, ranks: list[int | None], cause: str, now: float, detect: float) -> list[Action]:
+        self.recoveries_used += 1
+        self.generation += 1
+        failed = tuple(sorted(r for r in ranks if r is not None))
+        actions: list[Action] = []
+        if self.recovery is None:
+            self.recovery = Recovery(
+                generation=self.generation, failed_ranks=failed, cause=cause, failed_at=now - detect,
+                detect=detect, started_at=now, deadline=now + self.config.timeouts.recovery_timeout,
+            )
+            self.recovery.phase_duration[RecoveryPhase.DETECT] = detect
+            actions.append(Record(EventName.RECOVERY_START, {
+                "generation": self.generation, "failed_ranks": list(failed), "cause": cause,
+            }))
+            actions.append(Record(EventName.RECOVERY_PHASE, {
+                "generation": self.generation, "phase": RecoveryPhase.DETECT.value,
+                "start": now - detect, "duration": detect,
+            }, at=now))
+        else:
+            # a failure during recovery: the same recovery goes on in a new generation
+            rec = self.recovery
+            rec.generation = self.generation
+            rec.failed_ranks = tuple(sorted(set(rec.failed_ranks) | set(failed)))
+            rec.cause = f"{rec.cause}; then {cause}"
+            rec.deadline = now + self.config.timeouts.recovery_timeout
+            rec.recover_sent_at = None
+            actions.append(Note(f"another failure during recovery: generation {self.generation}"))
+            actions.append(Record(EventName.RECOVERY_START, {
+                "generation": self.generation, "failed_ranks": list(rec.failed_ranks), "cause": cause,
+                "during_recovery": True,
+            }))
+        rec = self.recovery
+        rec.phase_start[RecoveryPhase.ABORT] = now
+        rec.phase_start[RecoveryPhase.SPAWN] = now
+        self.state = JobState.RECOVERING
+        for slot in self._rank_slots():
+            if slot.alive and slot.rank not in failed:
+                slot.ready_gen = -1
+                slot.recovered_gen = -1
+                slot.finishing = False
+                if slot.hello:
+                    actions.append(self._command(slot, CommandKind.ABORT, {}))
+                if slot.state is not WorkerState.JOINING:
+                    actions += self._set_state(slot, WorkerState.ABORTING, now)
+        for rank in failed:
+            old = self.slots[self.rank_slot[rank]]
+            actions += self._spawn_rank(rank, now, incarnation=old.incarnation + 1, joining=True)
+        actions.append(Note(
+            f"recovering in place (generation {self.generation}): replacing rank(s) "
+            f"{', '.join(map(str, failed))}"
+        ))
+        return actions + self._replenish_spares(now)
+
+    def _slot_done_with_phase(self, slot: Slot) -> bool:
+        if self.recovery is None:
+            return True
+        if self.recovery.recover_sent_at is None:
+            return slot.ready_gen == self.generation
+        return slot.recovered_gen == self.generation
+
+    def _advance_recovery(self, now: float) -> list[Action]:
+        rec = self.recovery
+        if rec is None or self.state is not JobState.RECOVERING:
+            return []
+        ranks = self._rank_slots()
+        actions: list[Action] = []
+        if rec.recover_sent_at is None:
+            if RecoveryPhase.ABORT not in rec.phase_duration and all(
+                s.ready_gen == self.generation for s in ranks if s.state is not WorkerState.JOINING
+            ):
+                actions += self._end_phase(RecoveryPhase.ABORT, now)
+            if RecoveryPhase.SPAWN not in rec.phase_duration and all(
+                s.ready_gen == self.generation for s in ranks if s.state is WorkerState.JOINING
+            ) and any(s.state is WorkerState.JOINING for s in ranks):
+                actions += self._end_phase(RecoveryPhase.SPAWN, now)
+            if all(s.ready_gen == self.generation and s.hello for s in ranks):
+                rec.recover_sent_at = now
+                args = {"world_size": self.config.world_size, "replaced": list(rec.failed_ranks)}
+                for slot in ranks:
+                    actions.append(self._command(slot, CommandKind.RECOVER, args))
+                    actions += self._set_state(slot, WorkerState.RECOVERING, now)
+            return actions
+        if all(s.recovered_gen == self.generation for s in ranks):
+            rec.phase_start[RecoveryPhase.RESUME] = now
+            for slot in ranks:
+                actions.append(self._command(slot, CommandKind.RESUME, {}))
+                actions += self._set_state(slot, WorkerState.RUNNING, now)
+                slot.step_changed_at = now
+            actions += self._worker_phases(now)
+            actions += self._end_phase(RecoveryPhase.RESUME, now)
+            self._close_recovery(now, outcome="recovered")
+            self.state = JobState.RUNNING
+            actions += self._maybe_release(now)
+        return actions
+
+    def _worker_phases(self, now: float) -> list[Action]:
+        """Fold the phase timings the ranks measured (rebuild, consensus, undo, transfer) into the record."""
+        rec = self.recovery
+        assert rec is not None
+        actions: list[Action] = []
+        datas = [s.recovery_data for s in self._rank_slots() if s.recovery_data]
+        for phase in (RecoveryPhase.REBUILD, RecoveryPhase.CONSENSUS, RecoveryPhase.UNDO, RecoveryPhase.TRANSFER):
+            durations = [float(d["phases"][phase.value]) for d in datas if phase.value in d.get("phases", {})]
+            if durations:
+                rec.phase_duration[phase] = max(durations)
+                actions.append(Record(EventName.RECOVERY_PHASE, {
+                    "generation": rec.generation, "phase": phase.value, "duration": max(durations),
+                }))
+        plans = [d.get("plan", {}) for d in datas]
+        if plans:
+            rec.mode = plans[0].get("mode")
+            rec.source_rank = plans[0].get("source")
+        return actions
+
+    def _end_phase(self, phase: RecoveryPhase, now: float) -> list[Action]:
+        rec = self.recovery
+        assert rec is not None
+        start = rec.phase_start.get(phase, now)
+        rec.phase_duration[phase] = now - start
+        return [Record(EventName.RECOVERY_PHASE, {
+            "generation": rec.generation, "phase": phase.value, "start": start, "duration": now - start,
+        }, at=now)]
+
+    def _close_recovery(self, now: float, outcome: str) -> None:
+        rec = self.recovery
+        if rec is None:
+            return
+        rec.done = True
+        rec.total = now - rec.failed_at
+        self.time_lost += rec.total
+        self.last_recovery = rec
+        self.recovery = None
+        self._records.append(Record(EventName.RECOVERY_END, {
+            "generation": rec.generation, "outcome": outcome, "mode": rec.mode, "source_rank": rec.source_rank,
+            "total": rec.total, "failed_ranks": list(rec.failed_ranks),
+        }))
+
+    def drain_records(self) -> list[Action]:
+        out, self._records = self._records, []
+        return out
+
+    # ------------------------------------------------------------------ start, finish, spares
+
+    def _maybe_start_swift(self, now: float) -> list[Action]:
+        ranks = self._rank_slots()
+        if self.swift_started or not all(s.registered for s in ranks):
+            return []
+        self.swift_started = True
+        return [self._command(s, CommandKind.START, {}) for s in ranks] + self._replenish_spares(now)
+
+    def _maybe_release(self, now: float) -> list[Action]:
+        ranks = self._rank_slots()
+        if self.state is not JobState.RUNNING or not ranks or not all(s.finishing for s in ranks):
+            return []
+        return [self._command(s, CommandKind.RELEASE, {}) for s in ranks]
+
+    def _maybe_finish(self, now: float) -> list[Action]:
+        live = self._live_slots()
+        if self.state is JobState.RESTARTING and self._restart_pending and not any(s.rank is not None for s in live):
+            return self._restart(now)
+        ranks = self._rank_slots()
+        if self.state is JobState.RUNNING and ranks and all(s.state is WorkerState.EXITED for s in ranks):
+            self.state = JobState.STOPPING
+            self.exit_code = 0
+            actions: list[Action] = [Kill(s.slot_id, signal.SIGTERM) for s in live]
+            self.stop_deadline = now + self.config.timeouts.shutdown_timeout
+            if not live:
+                return actions + self._finish(now)
+            return actions
+        if self.state is JobState.STOPPING and not live:
+            return self._finish(now)
+        return []
+
+    def _finish(self, now: float) -> list[Action]:
+        code = self.exit_code if self.exit_code is not None else 1
+        self.state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
+        self.stop_deadline = None
+        return [Finish(code)]
+
+    def _restart(self, now: float) -> list[Action]:
+        self._restart_pending = False
+        self.stop_deadline = None
+        self.attempt += 1
+        self.swift_started = False
+        self.time_lost += now - self._restart_started
+        actions: list[Action] = [ResetStore(self.attempt)]
+        for rank in range(self.config.world_size):
+            old = self.slots[self.rank_slot[rank]]
+            actions += self._spawn_rank(rank, now, incarnation=old.incarnation + 1, joining=False)
+        self.state = JobState.RUNNING
+        return actions + self._replenish_spares(now)
+
+    def _spawn_rank(self, rank: int, now: float, incarnation: int, joining: bool) -> list[Action]:
+        spare = self._take_spare() if joining else None
+        if spare is not None:
+            spare.rank = rank
+            spare.incarnation = incarnation
+            spare.state = WorkerState.STARTING
+            self.rank_slot[rank] = spare.slot_id
+            # the spare said HELLO already; it joins as soon as it runs the script
+            return [
+                Assign(spare.slot_id, rank, incarnation, self.generation, self.attempt),
+                *self._set_state(spare, WorkerState.JOINING, now),
+            ]
+        slot = self._new_slot(rank, incarnation, now)
+        self.rank_slot[rank] = slot.slot_id
+        return [Spawn(slot.slot_id, rank, incarnation, self.generation, self.attempt, joining)]
+
+    def _take_spare(self) -> Slot | None:
+        for slot in self.slots.values():
+            if slot.rank is None and slot.alive and slot.hello:
+                return slot
+        return None
+
+    def _replenish_spares(self, now: float) -> list[Action]:
+        if (
+            not self.config.swift
+            or not self.swift_started  # spares only serve in-place recovery, and must not slow the start-up
+            or self.config.entrypoint.kind.value == "executable"
+            or self.state in (JobState.STOPPING, JobState.RESTARTING)
+            or self.state.terminal
+            or self.spare_failures >= 3  # spares that keep dying are not worth it: replacements start cold
+        ):
+            return []
+        have = sum(1 for s in self.slots.values() if s.rank is None and s.alive)
+        actions: list[Action] = []
+        for _ in range(self.config.spares - have):
+            slot = self._new_slot(None, 0, now)
+            actions.append(Spawn(slot.slot_id, None, 0, self.generation, self.attempt, False))
+        return actions
+
+    def _new_slot(self, rank: int | None, incarnation: int, now: float) -> Slot:
+        slot = Slot(self._next_slot, rank, incarnation, spawned_at=now, last_seen=now)
+        self._next_slot += 1
+        self.slots[slot.slot_id] = slot
+        return slot
+
+    # ------------------------------------------------------------------ helpers
+
+    def _command(self, slot: Slot, kind: CommandKind, args: dict[str, Any]) -> Send:
+        self._next_cmd += 1
+        return Send(slot.slot_id, self.generation, self._next_cmd, kind, args)
+
+    def _set_state(self, slot: Slot, state: WorkerState, now: float) -> list[Action]:
+        if slot.state is state:
+            return []
+        previous, slot.state = slot.state, state
+        if slot.rank is None:
+            return []
+        return [Record(EventName.WORKER_STATE, {
+            "rank": slot.rank, "incarnation": slot.incarnation, "pid": slot.pid,
+            "state": state.value, "previous": previous.value,
+        })]
+
+    def _rank_slots(self) -> list[Slot]:
+        return [self.slots[sid] for _, sid in sorted(self.rank_slot.items())]
+
+    def _live_slots(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.alive]
+
+    def slot_of_rank(self, rank: int) -> Slot:
+        return self.slots[self.rank_slot[rank]]

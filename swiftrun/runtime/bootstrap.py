@@ -1,0 +1,163 @@
+"""How every Python worker starts: ``python -u -m swiftrun.runtime.bootstrap {script|module} TARGET ARGS...``.
+
+1. Ask the kernel to SIGKILL this process when the launcher dies, and exit if it already has.
+2. A warm spare imports torch and waits for the launcher to give it a rank.
+3. Connect the control link (heartbeats start before the user's first import).
+4. A replacement that joins survivors gets a placeholder process group until swiftrun.Run joins it for real.
+5. Run the target exactly as ``python script.py`` / ``python -m module`` would (``__main__``, ``sys.argv``,
+   ``sys.path[0]``); an uncaught exception is printed as Python prints it, written to TORCHELASTIC_ERROR_FILE
+   (torch's ``@record`` format) and sent to the launcher, and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import traceback
+from types import TracebackType
+
+from swiftrun.protocol import CommandKind, EventKind
+from swiftrun.runtime import process
+from swiftrun.runtime.env import WorkerEnv
+from swiftrun.runtime.link import Link
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the link thread's parent check still ends an orphan within a heartbeat
+    if launcher_pid and os.getppid() != launcher_pid:
+        os._exit(70)  # the launcher died before we could ask
+
+
+def _wait_for_rank(link: Link) -> None:
+    """A spare: warm the expensive imports, then block until ASSIGN gives this process a rank."""
+    try:
+        import torch  # noqa: F401  (the point of a spare: this import is already done when a rank needs it)
+        import torch.distributed  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+    except ImportError:
+        pass
+    link.wait_for(lambda: link.command(CommandKind.ASSIGN) is not None or link.command(CommandKind.SHUTDOWN) is not None)
+    if link.command(CommandKind.SHUTDOWN) is not None:
+        link.close()
+        os._exit(0)
+    assign = link.command(CommandKind.ASSIGN)
+    assert assign is not None
+    os.environ.update({k: str(v) for k, v in assign.args["env"].items()})
+    link.rank = int(assign.args["rank"])
+
+
+def _placeholder_process_group(runtime: process.ProcessRuntime) -> None:
+    """Make the replacement's own ``init_process_group`` create a fake group with the right rank and size.
+
+    Survivors are not running the script's set-up, so a real group would wait for them forever and every
+    collective of the set-up (DDP's parameter broadcast, a barrier) would hang. With the fake group the set-up
+    runs alone; swiftrun.Run then joins the survivors' new generation and receives the real state.
+    """
+    import torch.distributed as dist
+
+    real_init = dist.init_process_group
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                           group_name="", pg_options=None, device_id=None, **kwargs):
+        runtime.init_kwargs = {"backend": backend, "timeout": timeout, "device_id": device_id}
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        rank = int(os.environ["RANK"]) if rank in (-1, None) else rank
+        world_size = int(os.environ["WORLD_SIZE"]) if world_size in (-1, None) else world_size
+        real_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group = real_init  # one placeholder only
+        dist.distributed_c10d.init_process_group = real_init
+
+    dist.init_process_group = init_process_group
+    dist.distributed_c10d.init_process_group = init_process_group
+
+
+def _user_traceback(exc: BaseException, target: str) -> str:
+    """The traceback as ``python script.py`` would print it: starting at the first frame of the user's code."""
+    tb: TracebackType | None = exc.__traceback__
+    here = os.path.dirname(os.path.abspath(__file__))
+    while tb is not None:
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not filename.startswith(here) and "runpy" not in os.path.basename(filename):
+            break
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _report_failure(link: Link | None, exc: BaseException, target: str) -> None:
+    text = _user_traceback(exc, target)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            from swiftrun.launcher.failures import write_error_file
+
+            write_error_file(error_file, type(exc).__name__, str(exc), text)
+        except OSError:
+            pass
+    if link is not None:
+        link.send_event(EventKind.FAILED, traceback=text)
+        link.close()
+
+
+def run_target(mode: str, target: str, args: list[str]) -> None:
+    """Run the user's target as python itself would, in this interpreter."""
+    if mode == "module":
+        sys.argv = [target, *args]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2 or argv[0] not in ("script", "module"):
+        sys.stderr.write("usage: python -m swiftrun.runtime.bootstrap {script|module} TARGET [ARGS...]\n")
+        sys.exit(2)
+    mode, target, args = argv[0], argv[1], argv[2:]
+    wenv = WorkerEnv.read()
+    _die_with_parent(wenv.launcher_pid)
+    link = None
+    if wenv.ctl_addr:
+        link = Link(wenv)
+        if wenv.spare:
+            _wait_for_rank(link)
+            wenv = WorkerEnv.read()
+            link.wenv = wenv
+        runtime = process.ProcessRuntime(wenv=wenv, link=link)
+        process.install(runtime)
+        if wenv.joining:
+            _placeholder_process_group(runtime)
+    from swiftrun.runtime import faults
+
+    faults.install(wenv)
+    try:
+        run_target(mode, target, args)
+    except SystemExit:
+        if link is not None:
+            link.close()
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the user's error, reported as python would, then exit 1
+        _report_failure(link, exc, target)
+        sys.exit(1)
+    if link is not None:
+        link.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

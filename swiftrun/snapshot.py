@@ -1,0 +1,113 @@
+"""Immutable views of a running job, for the dashboard and the plain-line reporter.
+
+The supervisor's event loop publishes a new :class:`JobSnapshot` whenever something visible changed (at most a few
+times a second); readers never touch the supervisor's own state, so rendering can never slow the loop down.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class WorkerState(str, enum.Enum):
+    """The life of one worker process (one incarnation of a rank).
+
+    STARTING until its runtime says HELLO (scripts run with --no-python skip straight to RUNNING);
+    RUNNING while it trains; ABORTING once the launcher told it to abort and until it reports back;
+    JOINING for a replacement on its way into the job; RECOVERING during the rebuild/consensus/transfer;
+    REPLAYING for pipeline-stage replay; RESTARTING while a restart-all tears it down;
+    STOPPING when the job is shutting down; EXITED (status 0) and FAILED are terminal.
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    ABORTING = "aborting"
+    JOINING = "joining"
+    RECOVERING = "recovering"
+    REPLAYING = "replaying"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (WorkerState.EXITED, WorkerState.FAILED)
+
+
+class JobState(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"  # Swift in-place recovery of failed ranks
+    RESTARTING = "restarting"  # torchrun-style restart of every worker
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class RecoveryPhase(str, enum.Enum):
+    """The phases of one in-place recovery, in order."""
+
+    DETECT = "detect"  # failure happened -> launcher knows (crash: pidfd; hang: heartbeat deadline)
+    ABORT = "abort"  # ABORT sent -> every survivor stopped and reported
+    SPAWN = "spawn"  # replacement started -> it reached swiftrun.Run
+    REBUILD = "rebuild"  # process group of the new generation built
+    CONSENSUS = "consensus"  # recovery point agreed
+    UNDO = "undo"  # partially applied update undone (or skipped when rolling forward)
+    TRANSFER = "transfer"  # state broadcast from the source replica
+    RESUME = "resume"  # every rank recovered -> RESUME sent
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    local_rank: int
+    pid: int | None
+    state: WorkerState
+    step: int | None = None
+    loss: float | None = None
+    step_time: float | None = None  # seconds
+    heartbeat_age: float | None = None  # seconds since the last message from this worker
+    restarts: int = 0  # how many times this rank was replaced or restarted
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PhaseView:
+    phase: RecoveryPhase
+    duration: float | None  # seconds; None while the phase runs
+
+
+@dataclass(frozen=True)
+class RecoveryView:
+    generation: int
+    failed_ranks: tuple[int, ...]
+    cause: str  # e.g. "rank 2 killed by SIGKILL"
+    phases: tuple[PhaseView, ...]
+    mode: str | None = None  # "roll-forward", "undo", "redo" (nobody had applied the step)
+    source_rank: int | None = None
+    done: bool = False
+    total: float | None = None  # seconds from failure to resume, once done
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    script: str
+    world_size: int
+    nnodes: int
+    generation: int
+    state: JobState
+    uptime: float  # seconds since the job started
+    ranks: tuple[RankView, ...]
+    steps_per_s: float | None = None
+    samples_per_s: float | None = None  # from a reported "samples_per_s" or "tokens_per_s" metric
+    failures: int = 0
+    time_lost: float = 0.0  # seconds spent in recoveries and restarts
+    recovery: RecoveryView | None = None  # the current recovery, else the last one
+    events: tuple[str, ...] = ()  # newest last, already formatted for humans
+    event_log: str | None = None
