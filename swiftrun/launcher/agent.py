@@ -97,7 +97,7 @@ class Agent:
                 print(banner, file=sys.stderr)
             self.reporter.start()
             self._note(f"event log: {self.event_log_path}")
-            self.job = Job(self.config, time.monotonic())
+            self.job = Job(self.config, time.monotonic(), wall_offset=time.time() - time.monotonic())
             self.event_log.write(EventName.JOB_START, config=_config_dict(self.config), world_size=self.config.world_size,
                                  script=self.config.entrypoint.target, pid=os.getpid())
             self._execute(self.job.start(time.monotonic()))

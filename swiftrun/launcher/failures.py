@@ -128,7 +128,9 @@ def _traceback_text(failure: ProcessFailure) -> str:
     return NO_TRACEBACK_HINT
 
 
-def write_error_file(path: str | os.PathLike[str], exc_type: str | type[BaseException], message: str, traceback_text: str) -> None:
+def write_error_file(
+    path: str | os.PathLike[str], exc_type: str | type[BaseException], message: str, traceback_text: str
+) -> None:
     """Write an error file in the format of torch's ``@record`` (``ErrorHandler.record_exception``).
 
     The file is written to a temporary name and renamed, so a reader never sees half of it.

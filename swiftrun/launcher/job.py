@@ -105,8 +105,9 @@ class Recovery:
 class Job:
     """The supervisor state machine of one node. Feed it events; carry out what it returns."""
 
-    def __init__(self, config: LaunchConfig, now: float) -> None:
+    def __init__(self, config: LaunchConfig, now: float, wall_offset: float = 0.0) -> None:
         self.config = config
+        self.wall_offset = wall_offset  # time.time() - time.monotonic(), for the failure summary's timestamps
         self.state = JobState.STARTING
         self.started_at = now
         self.generation = 0
@@ -236,7 +237,7 @@ class Job:
             local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
             pid=slot.pid or 0,
             exitcode=returncode,
-            timestamp=0.0,
+            timestamp=now + self.wall_offset,
             monotonic=now,
             cause=cause,
             traceback=slot.traceback,
@@ -321,7 +322,7 @@ class Job:
             local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
             pid=slot.pid or 0,
             exitcode=-signal.SIGKILL,
-            timestamp=0.0,
+            timestamp=now + self.wall_offset,
             monotonic=now,
             cause=cause,
             traceback=slot.traceback,

@@ -1,0 +1,336 @@
+"""``swiftrun report EVENTLOG [--plot FILE.png]``: what happened to a job, from its event log.
+
+Works on a finished job and on one still running (the log is read up to its last complete line). The summary
+gives the outcome, duration, steps, every failure, every recovery with its phase breakdown, restarts, the time
+lost to failures and the goodput. ``--plot`` draws step over time with failures and recoveries marked; it needs
+matplotlib, an optional dependency (``pip install 'swiftrun[plot]'``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Iterable, Optional
+
+import typer
+
+from swiftrun.events import EventName, read_events
+from swiftrun.snapshot import RecoveryPhase
+
+PLOT_INSTALL_HINT = "pip install 'swiftrun[plot]'"
+
+app = typer.Typer(add_completion=False, help="Summarize a swiftrun job from its event log.")
+
+
+@dataclass(frozen=True)
+class Failure:
+    t: float
+    rank: int | None
+    cause: str
+
+
+@dataclass
+class Recovery:
+    generation: int
+    t_start: float
+    cause: str
+    failed_ranks: tuple[int, ...] = ()
+    phases: dict[str, float] = field(default_factory=dict)  # phase name -> seconds, in completion order
+    t_end: float | None = None
+    outcome: str | None = None
+    mode: str | None = None
+    source_rank: int | None = None
+    total: float | None = None  # seconds from failure to resume, as the supervisor measured it
+    lost_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class Restart:
+    t: float
+    attempt: int | None
+    reason: str
+    resumed_at: float | None  # t of the first progress after it; None if training never resumed
+
+
+@dataclass
+class JobSummary:
+    script: str | None = None
+    world_size: int | None = None
+    outcome: str = "running"  # "running" until a job_end says otherwise
+    exit_code: int | None = None
+    duration: float = 0.0
+    steps: int | None = None
+    progress: list[tuple[float, int]] = field(default_factory=list)  # (t, step), for the plot
+    failures: list[Failure] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)
+    time_lost: float = 0.0
+    finished: bool = False
+
+    @property
+    def goodput(self) -> float | None:
+        """Fraction of wall time not lost to failures; None before any time has passed."""
+        if self.duration <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.time_lost / self.duration))
+
+
+def summarize(events: Iterable[dict[str, Any]]) -> JobSummary:
+    """Fold an event stream into a :class:`JobSummary`; unknown events and missing fields are tolerated."""
+    summary = JobSummary()
+    recoveries: dict[int, Recovery] = {}
+    restart_events: list[dict[str, Any]] = []
+    reported_time_lost: float | None = None
+    last_t = 0.0
+
+    for event in events:
+        t = float(event.get("t", last_t))
+        last_t = max(last_t, t)
+        name = event["event"]
+        if name == EventName.JOB_START:
+            summary.script = event.get("script")
+            summary.world_size = event.get("world_size")
+        elif name == EventName.PROGRESS and event.get("step") is not None:
+            summary.progress.append((t, int(event["step"])))
+        elif name == EventName.WORKER_FAILED:
+            summary.failures.append(Failure(t, event.get("rank"), str(event.get("cause", "unknown cause"))))
+        elif name == EventName.RECOVERY_START:
+            _start_recovery(recoveries, event, t)
+        elif name == EventName.RECOVERY_PHASE:
+            recovery = _recovery_for(recoveries, event, t)
+            if event.get("duration") is not None:
+                recovery.phases[str(event.get("phase"))] = float(event["duration"])
+        elif name == EventName.RECOVERY_END:
+            recovery = _recovery_for(recoveries, event, t)
+            recovery.t_end = t
+            recovery.outcome = event.get("outcome")
+            recovery.mode = event.get("mode")
+            recovery.source_rank = event.get("source_rank")
+            recovery.total = None if event.get("total") is None else float(event["total"])
+            recovery.lost_steps = event.get("lost_steps")
+        elif name == EventName.RESTART:
+            restart_events.append(event)
+        elif name == EventName.JOB_END:
+            summary.finished = True
+            summary.outcome = str(event.get("outcome", "unknown"))
+            summary.exit_code = event.get("exit_code")
+            if event.get("duration") is not None:
+                last_t = max(last_t, float(event["duration"]))
+            if event.get("time_lost") is not None:
+                reported_time_lost = float(event["time_lost"])
+
+    summary.duration = last_t
+    summary.steps = max((step for _, step in summary.progress), default=None)
+    summary.recoveries = sorted(recoveries.values(), key=lambda recovery: recovery.t_start)
+    summary.restarts = [_restart(event, summary.progress) for event in restart_events]
+    # The supervisor's own figure wins; for a job still running (or a launcher that died) estimate it.
+    summary.time_lost = reported_time_lost if reported_time_lost is not None else _estimated_time_lost(summary)
+    return summary
+
+
+def _start_recovery(recoveries: dict[int, Recovery], event: dict[str, Any], t: float) -> None:
+    generation = int(event.get("generation", max(recoveries, default=0) + 1))
+    cause = str(event.get("cause", "unknown cause"))
+    failed_ranks = tuple(event.get("failed_ranks") or ())
+    ongoing = next((recovery for recovery in recoveries.values() if recovery.t_end is None), None)
+    if event.get("during_recovery") and ongoing is not None:
+        # Another failure mid-recovery: the supervisor carries on with the same recovery in a new generation,
+        # so it is one recovery (one span of lost time), now known by the new generation.
+        del recoveries[ongoing.generation]
+        ongoing.generation = generation
+        ongoing.cause = f"{ongoing.cause}; then {cause}"
+        ongoing.failed_ranks = failed_ranks or ongoing.failed_ranks
+        recoveries[generation] = ongoing
+        return
+    recoveries[generation] = Recovery(generation=generation, t_start=t, cause=cause, failed_ranks=failed_ranks)
+
+
+def _recovery_for(recoveries: dict[int, Recovery], event: dict[str, Any], t: float) -> Recovery:
+    """The recovery an event belongs to; a log that starts mid-recovery gets a placeholder."""
+    generation = int(event.get("generation", max(recoveries, default=0)))
+    if generation not in recoveries:
+        recoveries[generation] = Recovery(generation=generation, t_start=float(event.get("start", t)), cause="?")
+    return recoveries[generation]
+
+
+def _restart(event: dict[str, Any], progress: list[tuple[float, int]]) -> Restart:
+    t = float(event.get("t", 0.0))
+    resumed_at = next((when for when, _ in progress if when > t), None)
+    return Restart(t, event.get("attempt"), str(event.get("reason", "")), resumed_at)
+
+
+def _estimated_time_lost(summary: JobSummary) -> float:
+    """Recoveries count from failure to resume; restarts from the restart to the next progress event.
+
+    Unfinished ones count up to the end of the log, since that time is lost so far.
+    """
+    lost = 0.0
+    for recovery in summary.recoveries:
+        if recovery.total is not None:
+            lost += recovery.total
+        else:
+            lost += (recovery.t_end if recovery.t_end is not None else summary.duration) - recovery.t_start
+    for restart in summary.restarts:
+        lost += (restart.resumed_at if restart.resumed_at is not None else summary.duration) - restart.t
+    return lost
+
+
+# --- text -------------------------------------------------------------------------------------------------------
+
+
+def format_summary(summary: JobSummary, source: Path) -> list[str]:
+    lines = [f"swiftrun report: {source}"]
+    job = summary.script or "unknown script"
+    if summary.world_size is not None:
+        job += f", world {summary.world_size}"
+    lines.append(f"job:        {job}")
+    outcome = summary.outcome
+    if summary.exit_code is not None:
+        outcome += f" (exit code {summary.exit_code})"
+    if not summary.finished:
+        outcome += " (no job_end yet: still running, or the launcher died)"
+    lines.append(f"outcome:    {outcome}")
+    lines.append(f"duration:   {summary.duration:.1f} s")
+    lines.append(f"steps:      {'-' if summary.steps is None else summary.steps}")
+
+    lines.append(f"failures:   {len(summary.failures)}")
+    for failure in summary.failures:
+        who = "?" if failure.rank is None else failure.rank
+        lines.append(f"  t={failure.t:.1f}s  rank {who}: {failure.cause}")
+
+    lines.append(f"recoveries: {len(summary.recoveries)}")
+    for recovery in summary.recoveries:
+        lines.extend(_recovery_lines(recovery))
+
+    lines.append(f"restarts:   {len(summary.restarts)}")
+    for restart in summary.restarts:
+        attempt = "" if restart.attempt is None else f" attempt {restart.attempt}"
+        lines.append(f"  t={restart.t:.1f}s{attempt}: {restart.reason}")
+
+    lines.append(f"time lost:  {summary.time_lost:.2f} s")
+    goodput = summary.goodput
+    lines.append(f"goodput:    {'-' if goodput is None else f'{goodput:.1%}'}")
+    return lines
+
+
+def _recovery_lines(recovery: Recovery) -> list[str]:
+    if recovery.t_end is None:
+        status = "in progress"
+    else:
+        status = recovery.outcome or "ended"
+        if recovery.mode:
+            status += f", {recovery.mode}"
+        if recovery.source_rank is not None:
+            status += f" from rank {recovery.source_rank}"
+        if recovery.total is not None:
+            status += f", total {recovery.total * 1000:.0f} ms"
+        if recovery.lost_steps is not None:
+            status += f", {recovery.lost_steps} steps lost"
+    head = f"  generation {recovery.generation} at t={recovery.t_start:.1f}s: {recovery.cause} -> {status}"
+    # Known phases in protocol order, then anything newer the supervisor logged.
+    order: list[str] = [phase.value for phase in RecoveryPhase if phase.value in recovery.phases]
+    order += [name for name in recovery.phases if name not in order]
+    phases = "  ".join(f"{name} {recovery.phases[name] * 1000:.0f}" for name in order)
+    return [head, f"    phases (ms): {phases or 'none recorded'}"]
+
+
+# --- plot -------------------------------------------------------------------------------------------------------
+
+
+class PlotUnavailable(Exception):
+    """matplotlib is not installed."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise PlotUnavailable(str(error)) from error
+    return plt
+
+
+def draw_timeline(summary: JobSummary, out: Path, plt: Any) -> None:
+    """Step over time; failures as red lines, recoveries and restarts as shaded spans."""
+    figure, axes = plt.subplots(figsize=(10, 4))
+    if summary.progress:
+        times, steps = zip(*summary.progress)
+        axes.plot(times, steps, color="tab:blue", linewidth=1.2, label="step")
+    for index, failure in enumerate(summary.failures):
+        axes.axvline(failure.t, color="tab:red", linestyle="--", linewidth=1, label="failure" if index == 0 else None)
+    for index, recovery in enumerate(summary.recoveries):
+        end = recovery.t_end if recovery.t_end is not None else summary.duration
+        axes.axvspan(recovery.t_start, end, color="tab:orange", alpha=0.3, label="recovery" if index == 0 else None)
+    for index, restart in enumerate(summary.restarts):
+        end = restart.resumed_at if restart.resumed_at is not None else summary.duration
+        axes.axvspan(restart.t, end, color="tab:purple", alpha=0.25, label="restart" if index == 0 else None)
+    goodput = summary.goodput
+    title = summary.script or "swiftrun job"
+    if goodput is not None:
+        title += f"  (goodput {goodput:.1%})"
+    axes.set(title=title, xlabel="time since start (s)", ylabel="step")
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+
+
+# --- command ----------------------------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"swiftrun report: error: {message}", err=True)
+    return typer.Exit(code=1)
+
+
+@app.command()
+def report(
+    eventlog: Annotated[Path, typer.Argument(metavar="EVENTLOG", help="The job's events.jsonl.")],
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Also draw the timeline to this PNG.")
+    ] = None,
+) -> None:
+    # Fail before any output when the plot cannot be drawn, rather than after printing a summary.
+    plt = None
+    if plot is not None:
+        try:
+            plt = _pyplot()
+        except PlotUnavailable:
+            raise _fail(f"--plot needs matplotlib, which is not installed; run: {PLOT_INSTALL_HINT}") from None
+
+    if not eventlog.is_file():
+        raise _fail(f"no event log at {eventlog}")
+    try:
+        events = list(read_events(eventlog))
+    except (OSError, UnicodeDecodeError) as error:
+        raise _fail(f"cannot read {eventlog}: {error}") from None
+    if not events:
+        raise _fail(f"{eventlog} holds no events (empty, or not a swiftrun event log)")
+
+    try:
+        summary = summarize(events)
+    except (TypeError, ValueError) as error:
+        raise _fail(f"{eventlog} has a malformed event: {error}") from None
+    for line in format_summary(summary, eventlog):
+        typer.echo(line)
+    if plt is not None and plot is not None:
+        try:
+            draw_timeline(summary, plot, plt)
+        except (OSError, ValueError) as error:
+            raise _fail(f"cannot write the plot to {plot}: {error}") from None
+        typer.echo(f"plot:       {plot}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``swiftrun report`` with ``argv`` (the arguments after ``report``); returns the exit code."""
+    try:
+        app(args=sys.argv[1:] if argv is None else argv, prog_name="swiftrun report")
+    except SystemExit as exit_:
+        # typer always exits via SystemExit in standalone mode; turn it into a return code for the CLI.
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0

@@ -1,0 +1,134 @@
+"""The few calls a training script makes to be recoverable in place.
+
+    import swiftrun
+    run = swiftrun.Run(model=ddp_model, optimizer=opt, scheduler=sched)   # what must survive a failure
+    for step in run.steps(num_steps):                                     # after a recovery: the step to redo
+        with run.guard():                                                 # a failure inside is recovered here
+            loss = train_step(step)                                       # data must be a function of `step`
+            run.report(loss=loss.item())                                  # optional telemetry
+
+Under plain torchrun, or as a single process, the same calls are inert: ``steps`` is ``range``, ``guard`` does
+nothing, ``report`` drops its arguments.
+
+Under swiftrun, when any rank dies or hangs, the launcher aborts the process group of every survivor (a
+collective blocked on the dead rank raises at once), starts a replacement for the dead rank, and each rank runs
+:meth:`Run._recover`: rebuild the group of the new generation, agree on the recovery point
+(:mod:`~swiftrun.runtime.consensus`), undo a partially applied update where the plan says so, broadcast the
+winning state to the ranks that need it, rebind DDP, and wait for the launcher's RESUME. The step that was
+interrupted is then yielded again.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from swiftrun.runtime import process
+
+
+def report(**metrics: float) -> None:
+    """Send extra metrics (tokens_per_s, lr...) to the launcher's dashboard and event log. Never blocks."""
+    rt = process.current()
+    if rt is None:
+        return
+    link = rt.link
+    loss = metrics.pop("loss", None)
+    link.set_status(link.step, loss=float(loss) if loss is not None else None,
+                    metrics={k: float(v) for k, v in metrics.items()})
+
+
+class Run:
+    """Registers what must survive a failure and drives the training loop (see the module docstring).
+
+    Args:
+        model: the model, DDP-wrapped or not. Its parameters and buffers travel to a replacement.
+        optimizer: one optimizer or a list. Their state travels; their last step can be undone.
+        scheduler: one LR scheduler or a list; state travels and is restored when a step is undone.
+        scaler: a ``torch.amp.GradScaler``; a step it skipped is not undone.
+        state: small user state that must travel: an object with ``state_dict``/``load_state_dict``, or a dict
+            (updated in place on the receiving ranks).
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
+                 state: Any = None) -> None:
+        self._rt = process.current()
+        self._next = 0
+        self._total = 0
+        self._step = -1
+        self._recovery = None
+        if self._rt is None:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            self._rt = None  # nothing to recover from a replica: behave as under torchrun
+            return
+        from swiftrun.runtime.recovery import Recovery
+
+        self._recovery = Recovery(self._rt, model, _as_list(optimizer), _as_list(scheduler), scaler, state)
+        self._next = self._recovery.start()
+
+    @property
+    def active(self) -> bool:
+        """True when failures of this job are recovered in place (running under swiftrun with replicas)."""
+        return self._recovery is not None
+
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
+        """Yield the step numbers ``start .. total-1``; after a recovery, the step to (re)do next."""
+        if self._recovery is None:
+            for step in range(start, total):
+                self._step = step
+                yield step
+            return
+        rec = self._recovery
+        self._next = max(self._next, start)
+        while True:
+            while self._next < total:
+                step = self._next
+                if not rec.begin_step(step):
+                    self._next = rec.recover()
+                    continue
+                self._step = step
+                began = time.monotonic()
+                yield step
+                if rec.in_step:  # the body ran without a guard: reaching here means it completed
+                    rec.complete_step(step)
+                rec.link.set_status(step, loss=rec.last_loss, step_time=time.monotonic() - began)
+                self._next = rec.next_step
+            resumed = rec.finish(total)
+            if resumed is None:
+                return
+            self._next = resumed
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Catch a failure of this step caused by a peer; recover in place; the step is then yielded again."""
+        if self._recovery is None:
+            yield
+            return
+        rec = self._recovery
+        try:
+            yield
+        except BaseException as exc:  # noqa: BLE001 - decided below: recover, or re-raise the user's own error
+            if not rec.caused_by_peer_failure(exc):
+                raise
+            rec.next_step = rec.recover()
+            return
+        rec.complete_step(self._step)
+
+    def report(self, loss: float | None = None, **metrics: float) -> None:
+        """Report this step's loss and extra metrics to the launcher (no-op outside swiftrun)."""
+        if self._recovery is None:
+            return
+        rec = self._recovery
+        if loss is not None:
+            rec.last_loss = float(loss)
+        rec.link.set_status(self._step, loss=rec.last_loss, metrics={k: float(v) for k, v in metrics.items()})
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+

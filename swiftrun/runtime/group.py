@@ -1,0 +1,159 @@
+"""The default process group of a recoverable worker: built per generation, aborted from the link thread.
+
+Facts this design rests on (measured on torch 2.13, gloo, CPU; see docs/ARCHITECTURE.md):
+
+- ``ProcessGroup.abort()`` does **not** release a gloo collective that waits on a peer that died without being
+  its ring neighbour: that rank waits for the full group timeout. What does release it at once is shutting down
+  the group's TCP connections: gloo's pair sees "Connection closed" and fails the pending operation, and every
+  collective issued on that group afterwards fails immediately instead of hanging.
+- Shutting down gloo's *listening* socket kills the process (an enforce in gloo's listener thread), so only
+  connected sockets are touched.
+
+So the manager records which TCP connections the group's construction opened (descriptor and inode, since a
+number may be reused later) and shuts exactly those down on abort. For NCCL, ``abort()`` aborts the
+communicators, which is the documented way to release a blocked NCCL collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STORE_PREFIX = "/swiftrun/g{generation}/"
+
+
+def _connected_tcp_sockets() -> dict[int, int]:
+    """fd -> inode of this process's connected TCP sockets (listening ones excluded)."""
+    found: dict[int, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+            if (st.st_mode & 0o170000) != 0o140000:  # not a socket
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if (
+                probe.family in (socket.AF_INET, socket.AF_INET6)
+                and probe.type == socket.SOCK_STREAM
+                and not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            ):
+                found[fd] = st.st_ino
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return found
+
+
+class GroupManager:
+    """Owns the default process group of this worker across generations."""
+
+    def __init__(self, rank: int, world_size: int, backend: Any, timeout: timedelta | None, device_id: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout or timedelta(minutes=30)
+        self.device_id = device_id
+        self._lock = threading.Lock()
+        self._sockets: list[tuple[int, int]] = []
+        self._aborted_below = 0  # groups of a generation below this one have been aborted
+        self.generation = -1
+        self._store: dist.Store | None = None
+
+    def store(self) -> dist.Store:
+        if self._store is None:
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            self._store = dist.TCPStore(addr, port, self.world_size, is_master=False, timeout=timedelta(seconds=60))
+        return self._store
+
+    def build(self, generation: int, connect_timeout: float) -> None:
+        """Replace the default group by a fresh one for ``generation`` (a collective over every rank)."""
+        with self._lock:
+            if generation < self._aborted_below:
+                raise RuntimeError(f"generation {generation} was aborted before its group was built")
+        self.destroy()
+        store = self.store()  # before the snapshot: the store's own connection must never be shut down
+        before = _connected_tcp_sockets()
+        prefixed = dist.PrefixStore(STORE_PREFIX.format(generation=generation), store)
+        kwargs: dict[str, Any] = {}
+        if self.device_id is not None:
+            kwargs["device_id"] = self.device_id
+        # a peer that dies while the mesh connects must not hold us for the whole collective timeout
+        dist.init_process_group(
+            self.backend, store=prefixed, rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=connect_timeout), **kwargs,
+        )
+        pg = dist.group.WORLD
+        if hasattr(pg, "set_timeout"):
+            pg.set_timeout(self.timeout)
+        after = _connected_tcp_sockets()
+        with self._lock:
+            self._sockets = [(fd, ino) for fd, ino in after.items() if before.get(fd) != ino]
+            self.generation = generation
+            aborted = generation < self._aborted_below
+        if aborted:  # the launcher moved past this generation while we were building it
+            self.abort(self._aborted_below)
+
+    def abort(self, generation: int) -> None:
+        """Generation ``generation`` begins: release every collective blocked on an older group, now.
+
+        Safe from any thread, idempotent."""
+        with self._lock:
+            self._aborted_below = max(self._aborted_below, generation)
+            sockets = list(self._sockets)
+            pg = dist.group.WORLD if dist.is_initialized() else None
+        for fd, ino in sockets:
+            try:
+                if os.fstat(fd).st_ino != ino:
+                    continue  # the descriptor was closed and its number reused: not ours any more
+                conn = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+        if pg is not None and _has_nccl(pg):
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - an abort that fails leaves the watchdog and timeouts as backstop
+                pass
+
+    def destroy(self) -> None:
+        """Drop the current default group (aborted or a placeholder) so a new one can be initialised."""
+        with self._lock:
+            self._sockets = []
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - an aborted group may complain while being torn down
+                dist.distributed_c10d._world.pg_map.clear()
+                dist.distributed_c10d._update_default_pg(None)
+
+    def device(self) -> torch.device:
+        """Where this group's collectives want their tensors."""
+        if _backend_name(self.backend) == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _backend_name(backend: Any) -> str:
+    return str(backend or "gloo").lower()
+
+
+def _has_nccl(pg: Any) -> bool:
+    try:
+        return "nccl" in str(dist.get_backend(pg)).lower()
+    except Exception:  # noqa: BLE001
+        return False
