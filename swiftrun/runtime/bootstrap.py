@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import signal
@@ -24,6 +25,7 @@ from swiftrun.runtime.env import WorkerEnv
 from swiftrun.runtime.link import Link
 
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger("swiftrun.runtime")
 
 
 def _die_with_parent(launcher_pid: int) -> None:
@@ -38,14 +40,28 @@ def _die_with_parent(launcher_pid: int) -> None:
         os._exit(70)  # the launcher died before we could ask
 
 
+def _warm_torch() -> None:
+    """Pay, before any failure, what a replacement would pay after it: importing torch (~1.2 s here) and the
+    ~800 modules DDP's constructor imports on first use (~1.2 s more, measured on torch 2.13)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        DistributedDataParallel(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
+
+
 def _wait_for_rank(link: Link) -> None:
     """A spare: warm the expensive imports, then block until ASSIGN gives this process a rank."""
     try:
-        import torch  # noqa: F401  (the point of a spare: this import is already done when a rank needs it)
-        import torch.distributed  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-    except ImportError:
-        pass
+        _warm_torch()
+    except Exception:  # noqa: BLE001 - warming is an optimisation; a cold start still works
+        log.debug("warming the spare failed", exc_info=True)
+    log.debug("spare warm, waiting for a rank")
     link.wait_for(lambda: link.command(CommandKind.ASSIGN) is not None or link.command(CommandKind.SHUTDOWN) is not None)
     if link.command(CommandKind.SHUTDOWN) is not None:
         link.close()
@@ -128,6 +144,9 @@ def main(argv: list[str]) -> None:
         sys.stderr.write("usage: python -m swiftrun.runtime.bootstrap {script|module} TARGET [ARGS...]\n")
         sys.exit(2)
     mode, target, args = argv[0], argv[1], argv[2:]
+    if os.environ.get("SWIFTRUN_LOGLEVEL"):
+        logging.basicConfig(level=os.environ["SWIFTRUN_LOGLEVEL"].upper(),
+                            format="%(relativeCreated)8.0fms swiftrun[%(process)d] %(message)s")
     wenv = WorkerEnv.read()
     _die_with_parent(wenv.launcher_pid)
     link = None
@@ -135,6 +154,7 @@ def main(argv: list[str]) -> None:
         link = Link(wenv)
         if wenv.spare:
             _wait_for_rank(link)
+            log.debug("spare assigned rank %s", os.environ.get("RANK"))
             wenv = WorkerEnv.read()
             link.wenv = wenv
         runtime = process.ProcessRuntime(wenv=wenv, link=link)
@@ -144,6 +164,7 @@ def main(argv: list[str]) -> None:
     from swiftrun.runtime import faults
 
     faults.install(wenv)
+    log.debug("running %s %s", mode, target)
     try:
         run_target(mode, target, args)
     except SystemExit:

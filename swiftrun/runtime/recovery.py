@@ -13,6 +13,7 @@ stays consistent (a rank whose state was being overwritten reports itself invali
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -28,6 +29,8 @@ from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
 from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.process import ProcessRuntime
+
+log = logging.getLogger("swiftrun.runtime")
 
 # gloo and NCCL errors a survivor sees when a peer dies or its group is aborted
 _PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "timed out", "broken pipe", "aborted",
@@ -129,6 +132,8 @@ class Recovery:
                 self.reg.clear_grads()
             self.in_step = False
             kind = EventKind.JOINING if self.joining else EventKind.ABORTED
+            log.debug("generation %d: %s (valid=%s completed=%d partial=%s)", gen, kind.value, self.valid,
+                      self.completed, self.partial)
             self.link.send_event(kind, gen=gen, valid=self.valid, completed=self.completed, partial=self.partial)
             got = self.link.wait_for(
                 lambda: self._command_for(CommandKind.RECOVER, gen) or self.link.generation > gen,
@@ -149,6 +154,7 @@ class Recovery:
                     continue
                 raise
             phases["total_local"] = time.monotonic() - started
+            log.debug("generation %d recovered: %s %s", gen, plan.as_dict(), phases)
             self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=plan.as_dict())
             self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
             if self.link.generation > gen:

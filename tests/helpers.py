@@ -1,0 +1,78 @@
+"""Shared helpers for integration tests: run the real launcher, wait on conditions, find leaked processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+EXAMPLES = REPO / "examples"
+MARKER = "SWIFTRUN_TEST_MARKER"  # every process a test starts carries this variable, so leaks can be found
+
+
+def swiftrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swiftrun", *args]
+
+
+def test_env(marker: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env[MARKER] = marker
+    env.setdefault("PYTHONPATH", str(REPO))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], marker: str, timeout: float, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run a command to completion (with a hard timeout) and capture its output."""
+    return subprocess.run(cmd, env=test_env(marker, **env), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start(cmd: list[str], marker: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=test_env(marker, **env), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02, what: str = "condition") -> None:
+    """Poll ``predicate`` until it holds; fail the test with ``what`` when ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``MARKER=marker`` (zombies excluded)."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            if state != b"Z":
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def kill_marked(marker: str) -> None:
+    for pid in processes_with_marker(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
