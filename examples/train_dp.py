@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--ckpt-dir", default=None, help="periodic checkpoints (the torchrun baseline)")
     parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--sync-loss", action="store_true",
+                        help="all-reduce the loss after every optimizer step (a collective after the update)")
     args = parser.parse_args()
     if args.steps < 0 or args.ckpt_every < 1:
         parser.error("--steps must be >= 0 and --ckpt-every >= 1")
@@ -115,6 +117,8 @@ def main() -> None:
             loss = nn.functional.mse_loss(ddp_model(inputs), targets)
             loss.backward()
             optimizer.step()
+            if args.sync_loss:  # a collective *after* the update: a failure here leaves the update half-done
+                dist.all_reduce(loss.detach(), op=dist.ReduceOp.SUM)
             run.report(loss=loss.item())  # swiftrun: optional; .item() also syncs the GPU for the timing
             # Inside the guard, so that an attempt that failed (and was recovered) never saves a checkpoint.
             if latest and rank == 0 and (step + 1) % args.ckpt_every == 0:

@@ -37,6 +37,7 @@ from swiftrun.launcher.store import AgentStore
 from swiftrun.snapshot import JobSnapshot, PhaseView, RankView, RecoveryPhase, RecoveryView
 
 SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots
+PROGRESS_PERIOD = 0.25  # seconds between sampled progress events in the event log
 
 
 class Agent:
@@ -55,6 +56,7 @@ class Agent:
         self._last_snapshot = 0.0
         self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=50)
         self._last_progress_step = -1
+        self._last_progress_record = 0.0
         self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-"))  # 0700: only this user reaches the socket
         self.ctl_addr = f"ipc://{self._run_dir}/ctl"
         self.event_log_path = config.event_log or (log_root / "events.jsonl")
@@ -141,7 +143,8 @@ class Agent:
             for slot_id, proc in list(self.procs.items()):  # processes without a pidfd, and missed exits
                 if proc.pidfd is None and proc.alive and proc.poll() is not None:
                     self._reap(slot_id)
-            self._execute(self.job.tick(time.monotonic()))
+            now = time.monotonic()
+            self._execute(self.job.tick(now, self._stopped(self.job.silent_slots(now))))
             self._flush(router)
             self._publish(time.monotonic())
 
@@ -191,10 +194,39 @@ class Agent:
                 if slot.rank == 0 and msg.step != self._last_progress_step:
                     self._progress.append((now, msg.step))
                     self._last_progress_step = msg.step
+                    self._record_progress(now, msg)
             elif isinstance(msg, protocol.Event):
                 self._execute(self.job.on_event(slot_id, msg.gen, msg.event, msg.data, now))
             elif isinstance(msg, protocol.Ack):
                 self._execute(self.job.on_ack(slot_id, msg.cmd_id, now))
+
+    def _stopped(self, slot_ids: list[int]) -> frozenset[int]:
+        """Which of these slots' processes the kernel reports as stopped (state T), e.g. by SIGSTOP."""
+        stopped = set()
+        for slot_id in slot_ids:
+            proc = self.procs.get(slot_id)
+            if proc is None or not proc.alive:
+                continue
+            try:
+                with open(f"/proc/{proc.pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state in (b"T", b"t"):
+                stopped.add(slot_id)
+        return frozenset(stopped)
+
+    def _record_progress(self, now: float, msg: protocol.Status) -> None:
+        """A sampled ``progress`` event (at most PROGRESS_PERIOD apart) for the report's timeline."""
+        if now - self._last_progress_record < PROGRESS_PERIOD:
+            return
+        self._last_progress_record = now
+        steps_per_s = None
+        if len(self._progress) >= 2 and self._progress[-1][0] > self._progress[0][0]:
+            (t_a, s_a), (t_b, s_b) = self._progress[0], self._progress[-1]
+            steps_per_s = (s_b - s_a) / (t_b - t_a)
+        self.event_log.write(EventName.PROGRESS, at=now, step=msg.step, loss=msg.loss, step_time=msg.step_time,
+                             steps_per_s=steps_per_s)
 
     def _on_hello(self, router: zmq.Socket, identity: bytes, msg: protocol.Hello, now: float) -> None:
         assert self.job is not None

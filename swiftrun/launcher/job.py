@@ -40,6 +40,8 @@ from swiftrun.launcher.failures import ProcessFailure
 from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
+SETUP_GRACE = 15.0  # seconds of silence tolerated while a worker imports and sets up (see _silence_limit)
+
 LIVE = {
     WorkerState.STARTING,
     WorkerState.RUNNING,
@@ -63,6 +65,7 @@ class Slot:
     pid: int | None = None
     spawned_at: float = 0.0
     hello: bool = False
+    hello_at: float = 0.0
     last_seen: float = 0.0
     registered: bool = False  # created swiftrun.Run
     ready_gen: int = -1  # generation this slot reported ABORTED/JOINING for
@@ -158,6 +161,7 @@ class Job:
     def on_hello(self, slot_id: int, gen: int, now: float) -> list[Action]:
         slot = self.slots[slot_id]
         slot.hello = True
+        slot.hello_at = now
         slot.last_seen = now
         if slot.rank is None or slot.state is not WorkerState.STARTING:
             return []
@@ -253,8 +257,12 @@ class Job:
         actions: list[Action] = [Note(f"received {name}: forwarding it to the workers")]
         return actions + self._stop_all(now, 128 + signum, forward=signum)
 
-    def tick(self, now: float) -> list[Action]:
-        """Deadlines: silent workers, stalled workers, recovery and shutdown time limits."""
+    def tick(self, now: float, stopped: frozenset[int] = frozenset()) -> list[Action]:
+        """Deadlines: silent workers, stalled workers, recovery and shutdown time limits.
+
+        ``stopped`` names the slots whose process the OS reports as stopped (SIGSTOP): those are hung for
+        certain, while a silent running process may only be starved of the GIL by a long import at start-up.
+        """
         actions: list[Action] = []
         t = self.config.timeouts
         if self.stop_deadline is not None and now >= self.stop_deadline:
@@ -271,8 +279,11 @@ class Job:
             if not slot.hello:
                 if silent_for > t.startup_timeout:
                     cause = f"did not start within {t.startup_timeout:g}s"
-            elif silent_for > t.heartbeat_timeout:
-                cause = f"no heartbeat for {silent_for:.1f}s (hung or stopped)"
+            elif silent_for > self._silence_limit(slot, now) or (
+                slot.slot_id in stopped and silent_for > t.heartbeat_timeout
+            ):
+                how = "stopped" if slot.slot_id in stopped else "hung"
+                cause = f"no heartbeat for {silent_for:.1f}s ({how})"
             elif (
                 t.progress_timeout
                 and slot.rank is not None
@@ -302,6 +313,19 @@ class Job:
                 ]
                 actions += self._on_failures(failures, now, detect=0.0)
         return actions
+
+    def _silence_limit(self, slot: Slot, now: float) -> float:
+        """How long a worker may stay silent. During set-up (before its first reported step, and for at most
+        SETUP_GRACE after HELLO) importing torch can hold the GIL for seconds on a loaded machine, starving the
+        heartbeat thread: allow SETUP_GRACE then."""
+        t = self.config.timeouts
+        in_setup = slot.step is None and now - slot.hello_at < SETUP_GRACE
+        return max(t.heartbeat_timeout, SETUP_GRACE) if in_setup else t.heartbeat_timeout
+
+    def silent_slots(self, now: float) -> list[int]:
+        """Slots silent for longer than the heartbeat timeout (the agent checks whether they are stopped)."""
+        limit = self.config.timeouts.heartbeat_timeout
+        return [s.slot_id for s in self._live_slots() if s.hello and now - s.last_seen > limit and s.pid]
 
     def next_deadline(self, now: float) -> float:
         """The earliest time :meth:`tick` may have something to do."""
