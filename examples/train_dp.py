@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import swiftrun  # swiftrun
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "amsgrad", "adagrad")  # the last two cannot be undone
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,11 +69,15 @@ def build_model(hidden: int, layers: int, seed: int) -> nn.Sequential:
 
 
 def build_optimizer(name: str, params: list[nn.Parameter], lr: float | None) -> torch.optim.Optimizer:
-    lr = lr if lr is not None else (1e-3 if name in ("adam", "adamw") else 1e-2)
+    lr = lr if lr is not None else (1e-3 if name in ("adam", "adamw", "amsgrad") else 1e-2)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "amsgrad":
+        return torch.optim.Adam(params, lr=lr, amsgrad=True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
     momentum = {"sgd": 0.0, "momentum": 0.9, "nesterov": 0.9}[name]
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nesterov")
 

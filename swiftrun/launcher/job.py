@@ -68,6 +68,7 @@ class Slot:
     hello_at: float = 0.0
     last_seen: float = 0.0
     registered: bool = False  # created swiftrun.Run
+    replacement: bool = False  # joining survivors; holds no state of its own until its recovery completes
     ready_gen: int = -1  # generation this slot reported ABORTED/JOINING for
     recovered_gen: int = -1
     finishing: bool = False
@@ -379,7 +380,8 @@ class Job:
         ranks = self._rank_slots()
         if any(s.state is WorkerState.EXITED for s in ranks):
             return False  # some ranks already left: there is no group to repair
-        return any(s.alive for s in ranks)
+        # a replica must survive: replacements still joining hold no state to copy from
+        return any(s.alive and not s.replacement for s in ranks)
 
     def _escalate(self, now: float, cause: str) -> list[Action]:
         """In-place recovery is not possible: restart everything if allowed, else stop."""
@@ -504,6 +506,7 @@ class Job:
                 actions.append(self._command(slot, CommandKind.RESUME, {}))
                 actions += self._set_state(slot, WorkerState.RUNNING, now)
                 slot.step_changed_at = now
+                slot.replacement = False
             actions += self._worker_phases(now)
             actions += self._end_phase(RecoveryPhase.RESUME, now)
             self._close_recovery(now, outcome="recovered")
@@ -613,6 +616,7 @@ class Job:
         if spare is not None:
             spare.rank = rank
             spare.incarnation = incarnation
+            spare.replacement = True
             spare.state = WorkerState.STARTING
             self.rank_slot[rank] = spare.slot_id
             # the spare said HELLO already; it joins as soon as it runs the script
@@ -621,6 +625,7 @@ class Job:
                 *self._set_state(spare, WorkerState.JOINING, now),
             ]
         slot = self._new_slot(rank, incarnation, now)
+        slot.replacement = joining
         self.rank_slot[rank] = slot.slot_id
         return [Spawn(slot.slot_id, rank, incarnation, self.generation, self.attempt, joining)]
 

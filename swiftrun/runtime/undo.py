@@ -12,10 +12,11 @@ scheduler may change afterwards; :func:`capture` records those just before ``opt
     undo_step(optimizer, last_record)      # parameters, state and step counters are as before the step
 
 The inverse follows the forward math of torch's SGD, Adam and AdamW (single-tensor, foreach and fused
-implementations compute the same formulas). It undoes the forward operations in reverse order: first the
-parameter, from the post-step moments and the post-step count *t*; then, knowing p_{t-1}, the L2-decayed
-gradient; then the moments. It computes in float64 and rounds back to the parameter dtype at each point where
-the forward stored a value in that dtype, so most elements come back bit-exact and the rest are a few ULP off.
+implementations compute the same formulas; fused rounds a little differently). It undoes the forward operations
+in reverse order: first the parameter, from the post-step moments and the post-step count *t*; then, knowing
+p_{t-1}, the L2-decayed gradient; then the moments. It computes in float64 and rounds back to the parameter
+dtype at each point where the forward stored a value in that dtype, so most elements come back bit-exact and
+the rest are a few ULP off.
 
 A step that *created* a parameter's optimizer state (its first step) is undone by deleting that state, so that
 redoing the step recreates it exactly as the first time.
@@ -32,6 +33,7 @@ from swiftrun.errors import RecoveryError
 
 __all__ = [
     "AdamHyperparameters",
+    "GroupStep",
     "ParamStep",
     "SGDHyperparameters",
     "StepRecord",
@@ -40,6 +42,7 @@ __all__ = [
     "invertible",
     "state_bytes",
     "undo_step",
+    "undoable",
 ]
 
 
@@ -190,6 +193,19 @@ def state_bytes(record: StepRecord) -> int:
         for entry in group.params
         if entry.grad_version is None
     )
+
+
+def undoable(optimizer: Optimizer, record: StepRecord) -> tuple[bool, str]:
+    """(True, "") if :func:`undo_step` would succeed now, else (False, reason); changes nothing.
+
+    Unlike :func:`invertible`, this also sees what happened since the capture (a gradient overwritten, a stale
+    record), so a rank can report truthfully whether it can undo before anyone relies on it.
+    """
+    try:
+        _check_undoable(optimizer, record)
+    except UndoUnavailable as refusal:
+        return False, str(refusal)
+    return True, ""
 
 
 def undo_step(optimizer: Optimizer, record: StepRecord) -> None:
@@ -385,7 +401,7 @@ def _undo_sgd(optimizer: Optimizer, entry: ParamStep, hyper: SGDHyperparameters)
     if buffer_after is not None:
         state = optimizer.state[param]
         if entry.had_state:
-            decayed_grad = _stored(grad + hyper.weight_decay * param_before, dtype)
+            decayed_grad = _stored(grad + _kernel_scalar(hyper.weight_decay, dtype) * param_before, dtype)
             buffer_before = (buffer_after - (1.0 - hyper.dampening) * decayed_grad) / hyper.momentum
             _write(state["momentum_buffer"], buffer_before)
         else:
@@ -429,8 +445,8 @@ def _undo_adam(optimizer: Optimizer, entry: ParamStep, hyper: AdamHyperparameter
     if entry.had_state:
         keep_fraction = 1.0 - (1.0 - hyper.beta1)  # lerp's (1 - weight), as torch computes the weight
         exp_avg_before = (exp_avg - (1.0 - hyper.beta1) * grad) / keep_fraction
-        # Rounding differences between the fused forward and this inverse can push v a hair below 0 where it
-        # was 0; sqrt(v) of the redo would then be NaN.
+        # The forward rounded (1-b2) g^2 into v_t in its own precision and this subtracts it in float64: where
+        # v_{t-1} was 0 the residue has either sign, and a negative v would make sqrt(v) of the redo NaN.
         exp_avg_sq_before = ((exp_avg_sq - (1.0 - hyper.beta2) * grad * grad) / hyper.beta2).clamp_(min=0.0)
         _write(state["exp_avg"], exp_avg_before)
         _write(state["exp_avg_sq"], exp_avg_sq_before)

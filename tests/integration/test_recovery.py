@@ -13,88 +13,15 @@ import json
 import os
 import random
 import signal
-from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers import EXAMPLES, run, start, swiftrun_cmd, wait_until
+from tests.helpers import run, start, wait_until
+from tests.integration.recovery_support import (
+    SCRIPT, STEPS, assert_recovered_equal, flat_state, launch_args, load_results, max_rel_diff, recoveries,
+)
 
 pytestmark = pytest.mark.integration
-
-STEPS = 12
-SCRIPT = str(EXAMPLES / "train_dp.py")
-FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "4", "--no-dashboard"]
-
-
-def _launch_args(world: int, optimizer: str, save: Path, events: Path, extra: list[str], steps: int = STEPS,
-                 script_extra: tuple[str, ...] = ()) -> list[str]:
-    return swiftrun_cmd("--nproc-per-node", str(world), *FAST, "--event-log", str(events), *extra, SCRIPT,
-                        "--steps", str(steps), "--optimizer", optimizer, "--hidden", "64", "--layers", "3",
-                        "--save-dir", str(save), *script_extra)
-
-
-@pytest.fixture(scope="session")
-def references(tmp_path_factory):
-    """Failure-free results, computed once per configuration and shared by the tests that need them."""
-    cache: dict[tuple, Path] = {}
-
-    def get(world: int, optimizer: str, steps: int = STEPS, script_extra: tuple[str, ...] = ()) -> Path:
-        key = (world, optimizer, steps, script_extra)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"ref-{world}-{optimizer}")
-            proc = run(_launch_args(world, optimizer, out / "save", out / "events.jsonl", [], steps, script_extra),
-                       marker="reference", timeout=180)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[key] = out / "save"
-        return cache[key]
-
-    return get
-
-
-def _load(save: Path, world: int) -> list[dict]:
-    return [torch.load(save / f"rank{r}.pt") for r in range(world)]
-
-
-def _flat(state: dict) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v for k, v in state["model"].items()}
-    for pid, entries in state["optimizer"]["state"].items():
-        for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                out[f"opt.{pid}.{name}"] = value
-    return out
-
-
-def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    worst = 0.0
-    for key in a:
-        x, y = a[key].double(), b[key].double()
-        scale = max(y.abs().max().item(), 1e-12)
-        worst = max(worst, (x - y).abs().max().item() / scale)
-    return worst
-
-
-def _recoveries(events: Path) -> list[dict]:
-    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-    return [r for r in records if r["event"] == "recovery_end"]
-
-
-def assert_recovered_equal(save: Path, reference: Path, world: int, events: Path) -> None:
-    results = [_flat(s) for s in _load(save, world)]
-    for r, result in enumerate(results[1:], start=1):
-        for key in results[0]:
-            assert torch.equal(results[0][key], result[key]), f"replica {r} differs from rank 0 in {key}"
-    expected = _flat(_load(reference, 1)[0])
-    recoveries = _recoveries(events)
-    assert recoveries and recoveries[-1]["outcome"] == "recovered", recoveries
-    undone = any(rec.get("mode") == "undo" for rec in recoveries)
-    diff = _max_rel_diff(results[0], expected)
-    if undone:
-        assert diff <= 1e-6, f"undo left a relative difference of {diff}"
-    else:
-        assert diff == 0.0, f"recovery without undo must be bitwise exact, got relative difference {diff}"
-
 
 # world, optimizer, failing rank, phase, kind
 CI_MATRIX = [
@@ -119,7 +46,7 @@ FULL_MATRIX = list(itertools.product(
 def test_fault_is_recovered_in_place(world, optimizer, rank, phase, kind, references, tmp_path, marker):
     fault = f"{rank}:5:{phase}:{kind}"
     events = tmp_path / "events.jsonl"
-    proc = run(_launch_args(world, optimizer, tmp_path / "save", events, ["--fault", fault]), marker, timeout=240)
+    proc = run(launch_args(world, optimizer, tmp_path / "save", events, ["--fault", fault]), marker, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_recovered_equal(tmp_path / "save", references(world, optimizer), world, events)
     failed = [json.loads(line) for line in events.read_text().splitlines() if '"worker_failed"' in line]
@@ -132,12 +59,12 @@ def test_update_applied_before_a_failed_collective_is_undone(recovery, reference
     """Rank 1 dies right after its optimizer step; the survivors applied theirs and block in a loss all-reduce
     that follows it. No rank finished the step, so the update is undone and the step redone."""
     events = tmp_path / "events.jsonl"
-    args = _launch_args(4, "adamw", tmp_path / "save", events, ["--fault", "1:6:after-step:sigkill",
+    args = launch_args(4, "adamw", tmp_path / "save", events, ["--fault", "1:6:after-step:sigkill",
                                                                 "--recovery", recovery],
                         script_extra=("--sync-loss",))
     proc = run(args, marker, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _recoveries(events)[-1]["mode"] == "undo"
+    assert recoveries(events)[-1]["mode"] == "undo"
     assert_recovered_equal(tmp_path / "save", references(4, "adamw", script_extra=("--sync-loss",)), 4, events)
 
 
@@ -147,7 +74,7 @@ def test_random_sigkill_from_outside(references, tmp_path, marker):
     rng = random.Random(int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or None)
     world, steps = 4, 60
     events = tmp_path / "events.jsonl"
-    proc = start(_launch_args(world, "adam", tmp_path / "save", events, [], steps=steps), marker)
+    proc = start(launch_args(world, "adam", tmp_path / "save", events, [], steps=steps), marker)
     target_rank, target_step = rng.randrange(world), rng.randrange(5, steps - 20)
 
     def lines() -> list[dict]:
@@ -176,6 +103,6 @@ def test_failure_free_swiftrun_matches_torchrun(references, tmp_path, marker):
     proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS), "--optimizer",
                 "adamw", "--hidden", "64", "--layers", "3", "--save-dir", str(save)], marker, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ours = _flat(_load(references(2, "adamw"), 1)[0])
-    theirs = _flat(_load(save, 1)[0])
-    assert _max_rel_diff(ours, theirs) == 0.0
+    ours = flat_state(load_results(references(2, "adamw"), 1)[0])
+    theirs = flat_state(load_results(save, 1)[0])
+    assert max_rel_diff(ours, theirs) == 0.0

@@ -1,0 +1,65 @@
+"""What the recovery tests share: how to launch the reference script, how to compare results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.helpers import EXAMPLES, swiftrun_cmd
+
+STEPS = 12
+SCRIPT = str(EXAMPLES / "train_dp.py")
+FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "6", "--no-dashboard"]
+
+
+def launch_args(world: int, optimizer: str, save: Path, events: Path, extra: list[str], steps: int = STEPS,
+                 script_extra: tuple[str, ...] = ()) -> list[str]:
+    return swiftrun_cmd("--nproc-per-node", str(world), *FAST, "--event-log", str(events), *extra, SCRIPT,
+                        "--steps", str(steps), "--optimizer", optimizer, "--hidden", "64", "--layers", "3",
+                        "--save-dir", str(save), *script_extra)
+
+
+def load_results(save: Path, world: int) -> list[dict]:
+    return [torch.load(save / f"rank{r}.pt") for r in range(world)]
+
+
+def flat_state(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in state["model"].items()}
+    for pid, entries in state["optimizer"]["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                out[f"opt.{pid}.{name}"] = value
+    return out
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        x, y = a[key].double(), b[key].double()
+        scale = max(y.abs().max().item(), 1e-12)
+        worst = max(worst, (x - y).abs().max().item() / scale)
+    return worst
+
+
+def recoveries(events: Path) -> list[dict]:
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["event"] == "recovery_end"]
+
+
+def assert_recovered_equal(save: Path, reference: Path, world: int, events: Path) -> None:
+    results = [flat_state(s) for s in load_results(save, world)]
+    for r, result in enumerate(results[1:], start=1):
+        for key in results[0]:
+            assert torch.equal(results[0][key], result[key]), f"replica {r} differs from rank 0 in {key}"
+    expected = flat_state(load_results(reference, 1)[0])
+    ended = recoveries(events)
+    assert ended and ended[-1]["outcome"] == "recovered", ended
+    undone = any(rec.get("mode") == "undo" for rec in ended)
+    diff = max_rel_diff(results[0], expected)
+    if undone:
+        assert diff <= 1e-6, f"undo left a relative difference of {diff}"
+    else:
+        assert diff == 0.0, f"recovery without undo must be bitwise exact, got relative difference {diff}"
