@@ -57,6 +57,7 @@ class Agent:
         self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=50)
         self._last_progress_step = -1
         self._last_progress_record = 0.0
+        self._pending_progress: protocol.Status | None = None  # newest step not yet in the event log
         self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-"))  # 0700: only this user reaches the socket
         self.ctl_addr = f"ipc://{self._run_dir}/ctl"
         self.event_log_path = config.event_log or (log_root / "events.jsonl")
@@ -218,8 +219,10 @@ class Agent:
 
     def _record_progress(self, now: float, msg: protocol.Status) -> None:
         """A sampled ``progress`` event (at most PROGRESS_PERIOD apart) for the report's timeline."""
+        self._pending_progress = msg
         if now - self._last_progress_record < PROGRESS_PERIOD:
             return
+        self._pending_progress = None
         self._last_progress_record = now
         steps_per_s = None
         if len(self._progress) >= 2 and self._progress[-1][0] > self._progress[0][0]:
@@ -408,6 +411,9 @@ class Agent:
         sig_w.close()
         if self.job is not None:
             now = time.monotonic()
+            if self._pending_progress is not None:
+                self._last_progress_record = 0.0
+                self._record_progress(now, self._pending_progress)
             self._publish(now, force=True)
             self.event_log.write(EventName.JOB_END, outcome="succeeded" if self.exit_code == 0 else "failed",
                                  exit_code=self.exit_code, duration=now - self.t0, failures=len(self.job.failures),

@@ -137,7 +137,7 @@ class Job:
     # ------------------------------------------------------------------ events
 
     def start(self, now: float) -> list[Action]:
-        actions: list[Action] = [Record(EventName.JOB_START, {"world_size": self.config.world_size})]
+        actions: list[Action] = []
         for rank in range(self.config.world_size):
             actions += self._spawn_rank(rank, now, incarnation=0, joining=False)
         actions += self._replenish_spares(now)
@@ -485,13 +485,15 @@ class Job:
         ranks = self._rank_slots()
         actions: list[Action] = []
         if rec.recover_sent_at is None:
+            survivors = [s for s in ranks if not s.replacement]
+            replacements = [s for s in ranks if s.replacement]
             if RecoveryPhase.ABORT not in rec.phase_duration and all(
-                s.ready_gen == self.generation for s in ranks if s.state is not WorkerState.JOINING
+                s.ready_gen == self.generation for s in survivors
             ):
                 actions += self._end_phase(RecoveryPhase.ABORT, now)
             if RecoveryPhase.SPAWN not in rec.phase_duration and all(
-                s.ready_gen == self.generation for s in ranks if s.state is WorkerState.JOINING
-            ) and any(s.state is WorkerState.JOINING for s in ranks):
+                s.ready_gen == self.generation for s in replacements
+            ):
                 actions += self._end_phase(RecoveryPhase.SPAWN, now)
             if all(s.ready_gen == self.generation and s.hello for s in ranks):
                 rec.recover_sent_at = now

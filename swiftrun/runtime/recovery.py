@@ -254,7 +254,8 @@ class Recovery:
         records = self._records.get(step)
         if not records or step < 0:
             return False
-        return all(undo.invertible(self.reg.optimizers[i])[0] for i in records)
+        # every record must be undoable before any is undone: a refusal half-way would leave a mixed state
+        return all(undo.undoable(self.reg.optimizers[i], record)[0] for i, record in records.items())
 
     def _undo_last_update(self) -> None:
         step = self.completed + (1 if self.partial else 0)
