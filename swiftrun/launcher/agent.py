@@ -59,6 +59,10 @@ class Agent:
         self._last_progress_record = 0.0
         self._pending_progress: protocol.Status | None = None  # newest step not yet in the event log
         self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-"))  # 0700: only this user reaches the socket
+        if len(f"{self._run_dir}/ctl") > getattr(zmq, "IPC_PATH_MAX_LEN", 107):
+            # a unix socket path has a hard length limit: a long $TMPDIR must not break the launcher
+            self._run_dir.rmdir()
+            self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-", dir="/tmp"))
         self.ctl_addr = f"ipc://{self._run_dir}/ctl"
         self.event_log_path = config.event_log or (log_root / "events.jsonl")
         self.event_log = EventLog(self.event_log_path)
@@ -83,7 +87,10 @@ class Agent:
         old_handlers: dict[int, Any] = {}
         old_wakeup = -1
         try:
-            router.bind(self.ctl_addr)
+            try:
+                router.bind(self.ctl_addr)
+            except zmq.ZMQError as exc:
+                raise LaunchError(f"cannot open the control socket {self.ctl_addr}: {exc}") from None
             master_addr, port = self._store_endpoint()
             self.store = AgentStore(master_addr, port, self.config.world_size)
             self.ends = envs.JobEndpoints(
@@ -159,11 +166,15 @@ class Agent:
         proc.returncode = rc
         proc._close_fds()
         slot = self.job.slots[slot_id]
-        if slot.traceback is None and slot.rank is not None:
-            error_file = self.ends.attempt_dir / str(self._local(slot.rank)) / "error.json"
-            slot.traceback = read_error_file(str(error_file)) if error_file.exists() else None
-        cause = procs.describe_exit(rc)
-        self._execute(self.job.on_exit(slot_id, rc, time.monotonic(), cause=cause if rc else ""))
+        error_file = None
+        if slot.rank is not None:
+            path = self.ends.attempt_dir / str(self._local(slot.rank)) / "error.json"
+            if path.exists():
+                error_file = str(path)
+                if slot.traceback is None:
+                    slot.traceback = read_error_file(error_file)
+        # a plain exit needs no cause: its exit code says it all (format_summary keeps "cause" for hangs, stalls)
+        self._execute(self.job.on_exit(slot_id, rc, time.monotonic(), error_file=error_file))
 
     # ------------------------------------------------------------------ messages
 
@@ -299,6 +310,8 @@ class Agent:
             generation=action.generation, joining=action.joining,
         )
         local_rank = None if action.rank is None else self._local(action.rank)
+        if local_rank is not None:  # as torchrun: the folder of TORCHELASTIC_ERROR_FILE exists (torch's @record)
+            Path(env["TORCHELASTIC_ERROR_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         argv = procs.worker_argv(self.config, spare=action.rank is None)
         try:
             if self.plan.piped:
@@ -316,6 +329,7 @@ class Agent:
 
     def _assign(self, action: Assign) -> None:
         env = envs.rank_env(self.config, self.ends, action.rank, action.attempt)
+        Path(env["TORCHELASTIC_ERROR_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         env.update({envs.INCARNATION: str(action.incarnation), envs.GENERATION: str(action.generation),
                     envs.JOINING: "1", envs.SPARE: "0"})
         if self.pump is not None:

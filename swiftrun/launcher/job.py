@@ -221,7 +221,9 @@ class Job:
         self.slots[slot_id].last_seen = now
         return []
 
-    def on_exit(self, slot_id: int, returncode: int, now: float, cause: str = "") -> list[Action]:
+    def on_exit(
+        self, slot_id: int, returncode: int, now: float, cause: str = "", error_file: str | None = None
+    ) -> list[Action]:
         slot = self.slots[slot_id]
         if not slot.alive:
             return []
@@ -246,6 +248,7 @@ class Job:
             monotonic=now,
             cause=cause,
             traceback=slot.traceback,
+            error_file=error_file,
         )
         return self._on_failures([(slot, failure)], now, detect=0.0)
 
@@ -280,6 +283,8 @@ class Job:
             if not slot.hello:
                 if silent_for > t.startup_timeout:
                     cause = f"did not start within {t.startup_timeout:g}s"
+                elif slot.slot_id in stopped and silent_for > t.heartbeat_timeout:
+                    cause = f"stopped before it said hello ({silent_for:.1f}s)"
             elif silent_for > self._silence_limit(slot, now) or (
                 slot.slot_id in stopped and silent_for > t.heartbeat_timeout
             ):
@@ -326,7 +331,7 @@ class Job:
     def silent_slots(self, now: float) -> list[int]:
         """Slots silent for longer than the heartbeat timeout (the agent checks whether they are stopped)."""
         limit = self.config.timeouts.heartbeat_timeout
-        return [s.slot_id for s in self._live_slots() if s.hello and now - s.last_seen > limit and s.pid]
+        return [s.slot_id for s in self._live_slots() if now - s.last_seen > limit and s.pid]
 
     def next_deadline(self, now: float) -> float:
         """The earliest time :meth:`tick` may have something to do."""
