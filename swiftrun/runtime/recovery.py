@@ -50,7 +50,8 @@ class Recovery:
         backend = init.get("backend") or dist.get_backend()
         self.group = GroupManager(self.rank, self.world_size, backend, init.get("timeout"), init.get("device_id"))
         self.link.on_abort = self.group.abort
-        self.generation = rt.wenv.generation if rt.wenv.joining else 0
+        # the generation this process was started in: 0 at first, later after restarts and recoveries
+        self.generation = rt.wenv.generation
         self.joining = rt.wenv.joining
         self.valid = not self.joining
         self.completed = -1  # last step whose body finished on this rank
@@ -70,11 +71,11 @@ class Recovery:
         """Join the job: a fresh rank builds the tracked group of generation 0; a replacement recovers."""
         if self.joining:
             return self.recover()
-        self.link.send_event(EventKind.REGISTERED, gen=0)
+        self.link.send_event(EventKind.REGISTERED, gen=self.generation)
         self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self._aborted())
         if not self._aborted():
             try:
-                self.group.build(0, self._connect_timeout())
+                self.group.build(self.generation, self._connect_timeout())
                 if self.reg.ddp is not None:
                     rebind(self.reg.ddp, None)
                 return 0
