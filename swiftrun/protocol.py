@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -132,11 +134,38 @@ def decode(frames: list[bytes]) -> Message:
         payload = json.loads(frames[1])
         if not isinstance(payload, dict):
             raise ValueError("payload is not an object")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _FIELD_TYPES[cls]
         kwargs = {k: (_ENUM_FIELDS[k](v) if k in _ENUM_FIELDS else v) for k, v in payload.items() if k in known}
+        for name, value in kwargs.items():
+            if not _conforms(value, known[name]):
+                # a wrongly typed field would raise later, inside the launcher's event loop
+                raise TypeError(f"{cls.__name__}.{name} = {value!r} is not {known[name]}")
         return cls(**kwargs)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"undecodable control message: {exc}") from None
+
+
+_FIELD_TYPES: dict[type[Message], dict[str, Any]] = {
+    cls: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)} for cls in _TYPES.values()
+}
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON value fits a field's annotation (shallow: containers by their own type)."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is not None:
+        hint = origin
+    if isinstance(value, bool) and hint in (int, float):
+        return False
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, hint)
 
 
 def _jsonable(value: Any) -> Any:

@@ -229,8 +229,10 @@ class Job:
             return []
         slot.exit_code = returncode
         if slot.rank is None:  # a spare
+            asked_to_stop = slot.state in (WorkerState.STOPPING, WorkerState.RESTARTING)
             slot.state = WorkerState.EXITED if returncode == 0 else WorkerState.FAILED
-            if returncode != 0 and self.state not in (JobState.STOPPING,) and not self.state.terminal:
+            if returncode != 0 and not asked_to_stop and self.state is not JobState.STOPPING \
+                    and not self.state.terminal:
                 self.spare_failures += 1
             return self._replenish_spares(now) + self._maybe_finish(now)
         if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
@@ -275,6 +277,7 @@ class Job:
         if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
             return actions
         hung: list[tuple[Slot, ProcessFailure]] = []
+        spare_lost = False
         for slot in self._live_slots():
             if self.config.entrypoint.kind.value == "executable":
                 continue
@@ -300,11 +303,15 @@ class Job:
             ):
                 cause = f"no progress past step {slot.step} for {now - slot.step_changed_at:.1f}s (stalled)"
             if cause:
-                if slot.rank is None:
+                if slot.rank is None:  # a spare that never warmed up or got stuck: replace it
                     actions.append(Kill(slot.slot_id, signal.SIGKILL))
                     slot.state = WorkerState.FAILED
+                    self.spare_failures += 1
+                    spare_lost = True
                     continue
                 hung.append((slot, self._failure(slot, now, cause)))
+        if spare_lost:
+            actions += self._replenish_spares(now)
         if hung:
             detect = max(now - s.last_seen for s, _ in hung)
             actions += self._on_failures(hung, now, detect=min(detect, t.heartbeat_timeout))
@@ -638,7 +645,8 @@ class Job:
 
     def _take_spare(self) -> Slot | None:
         for slot in self.slots.values():
-            if slot.rank is None and slot.alive and slot.hello:
+            # STARTING is a spare's waiting state; one being stopped (restart, shutdown) is no spare any more
+            if slot.rank is None and slot.state is WorkerState.STARTING and slot.hello:
                 return slot
         return None
 
