@@ -114,6 +114,8 @@ class Link:
                     self._receive(sock)
                 self._drain_outbox(sock)
                 if self._stopping.is_set():
+                    if self._status is not None:  # the last step's status, so the launcher's view ends complete
+                        self._send(sock, self._status, block=True)
                     return
         finally:
             sock.close(linger=0)
