@@ -74,8 +74,18 @@ class Run:
         """True when failures of this job are recovered in place (running under swiftrun with replicas)."""
         return self._recovery is not None
 
-    def steps(self, total: int, start: int = 0) -> Iterator[int]:
-        """Yield the step numbers ``start .. total-1``; after a recovery, the step to (re)do next."""
+    def steps(self, total: int, start: int = 0, loader: Any = None) -> Iterator[Any]:
+        """Yield the step numbers ``start .. total-1``; after a recovery, the step to (re)do next.
+
+        With ``loader`` (a DataLoader whose sampler is a :class:`~swiftrun.ResumableDistributedSampler`), yield
+        ``(step, batch)`` instead: the sampler is positioned at every step it was not already at (the start, a
+        new epoch, a recovery), so each step gets exactly the batch failure-free training would give it.
+        """
+        if loader is not None:
+            cursor = _LoaderCursor(loader)
+            for step in self.steps(total, start):
+                yield step, cursor.batch_for(step)
+            return
         if self._recovery is None:
             for step in range(start, total):
                 self._step = step
@@ -125,6 +135,47 @@ class Run:
         if loss is not None:
             rec.last_loss = float(loss)
         rec.link.set_status(self._step, loss=rec.last_loss, metrics={k: float(v) for k, v in metrics.items()})
+
+
+class _LoaderCursor:
+    """Hands out the batch of a given step from a DataLoader over a resumable sampler."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        sampler = getattr(loader, "sampler", None)
+        if not hasattr(sampler, "seek"):
+            sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        if not hasattr(sampler, "seek") or not loader.batch_size:
+            raise TypeError("Run.steps(loader=...) needs a DataLoader with a batch_size and a "
+                            "swiftrun.ResumableDistributedSampler as its sampler")
+        self.sampler = sampler
+        self.batch_size = int(loader.batch_size)
+        self._iterator: Iterator[Any] | None = None
+        self._next_step: int | None = None
+
+    def _seek(self, step: int) -> None:
+        """Position the sampler at ``step``'s batch. Steps count batches, and an epoch has a whole number of
+        them (its last batch shorter, or dropped with drop_last), so the position is worked out per epoch."""
+        per_epoch = len(self.sampler)
+        full, rest = divmod(per_epoch, self.batch_size)
+        batches = full if getattr(self.loader, "drop_last", False) or rest == 0 else full + 1
+        if batches == 0:
+            raise ValueError("the DataLoader yields no batch per epoch")
+        epoch, index = divmod(step, batches)
+        self.sampler.seek(epoch * per_epoch + index * self.batch_size)
+        self._iterator = iter(self.loader)
+
+    def batch_for(self, step: int) -> Any:
+        if step != self._next_step or self._iterator is None:
+            self._seek(step)
+        assert self._iterator is not None
+        try:
+            batch = next(self._iterator)
+        except StopIteration:  # the epoch ended: the next one starts with this step
+            self._seek(step)
+            batch = next(self._iterator)
+        self._next_step = step + 1
+        return batch
 
 
 def _as_list(value: Any) -> list[Any]:
