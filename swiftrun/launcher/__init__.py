@@ -18,5 +18,8 @@ def launch(config: LaunchConfig) -> int:
     ep = config.entrypoint
     if ep.kind is EntrypointKind.SCRIPT and not Path(ep.target).is_file():
         raise LaunchError(f"training script {ep.target!r} not found")
-    reporter = make_reporter(Console(stderr=False), config.dashboard)
+    terminal = Console()
+    dashboard = terminal.is_terminal if config.dashboard is None else config.dashboard
+    # plain status lines go to stderr, like torchrun's log lines: stdout belongs to the workers' output
+    reporter = make_reporter(terminal if dashboard else Console(stderr=True), dashboard)
     return Agent(config, reporter, new_log_root(config)).run()

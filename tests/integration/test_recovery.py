@@ -69,30 +69,37 @@ def test_update_applied_before_a_failed_collective_is_undone(recovery, reference
 
 
 @pytest.mark.timeout(300)
-def test_random_sigkill_from_outside(references, tmp_path, marker):
-    """SIGKILL a random rank of examples/train_dp.py at a random step; the job still ends exactly as if not."""
-    rng = random.Random(int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or None)
+def test_random_sigkills_from_outside(references, tmp_path, marker):
+    """SIGKILL a random rank of examples/train_dp.py at a random step, twice; the job still ends exactly as if
+    nothing had happened. Set SWIFTRUN_TEST_SEED to replay a particular draw."""
+    seed = int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or random.randrange(1, 2**31)
+    rng = random.Random(seed)
     world, steps = 4, 60
     events = tmp_path / "events.jsonl"
+    kills = sorted(rng.sample(range(5, steps - 15), 2))
     proc = start(launch_args(world, "adam", tmp_path / "save", events, [], steps=steps), marker)
-    target_rank, target_step = rng.randrange(world), rng.randrange(5, steps - 20)
 
     def lines() -> list[dict]:
         return [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
 
-    def reached() -> bool:
-        return any(r["event"] == "progress" and r["step"] >= target_step for r in lines())
-
     try:
-        wait_until(reached, timeout=120, what=f"step {target_step}")
-        pids = {r["rank"]: r["pid"] for r in lines() if r["event"] == "worker_state" and r.get("pid")}
-        os.kill(pids[target_rank], signal.SIGKILL)
+        for number, target_step in enumerate(kills):
+            def ready() -> bool:
+                records = lines()
+                recovered = sum(r["event"] == "recovery_end" for r in records)
+                return recovered == number and any(r["event"] == "progress" and r["step"] >= target_step
+                                                   for r in records)
+
+            wait_until(ready, timeout=120, what=f"step {target_step} after {number} recoveries (seed {seed})")
+            pids = {r["rank"]: r["pid"] for r in lines() if r["event"] == "worker_state" and r.get("pid")}
+            os.kill(pids[rng.randrange(world)], signal.SIGKILL)
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, f"seed {seed}: " + err[-4000:]
+    assert len(recoveries(events)) == 2, f"seed {seed}"
     assert_recovered_equal(tmp_path / "save", references(world, "adam", steps), world, events)
 
 
