@@ -21,14 +21,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 Layout = list[list[int]]  # bucket -> parameter indices, in the order the reducer reduces them
+_FORCED = "_swiftrun_forced_layout"  # attribute on the DDP module: the layout rebind() last gave its reducer
 
 
 def current_layout(ddp: DistributedDataParallel) -> Layout | None:
-    """The bucket layout in use, or None while DDP still runs its initial (unrebuilt) layout."""
+    """The bucket layout in use, or None while DDP still runs its initial (unrebuilt) layout.
+
+    A reducer built by :func:`rebind` reports no rebuilt layout until it rebuilds after its first iteration;
+    until then the layout in use is the one it was given (a second failure can come that soon)."""
     text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
-    if not text:
-        return None
-    return [[int(i) for i in bucket.split()] for bucket in str(text).split(",")]
+    if text:
+        return [[int(i) for i in bucket.split()] for bucket in str(text).split(",")]
+    return getattr(ddp, _FORCED, None)
 
 
 def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
@@ -51,6 +55,7 @@ def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
         ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
     finally:
         dist._compute_bucket_assignment_by_size = original
+    setattr(ddp, _FORCED, layout)
     for hook, state in list(ddp._comm_hooks):  # a user's comm hook lived on the old reducer
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp.require_backward_grad_sync = True

@@ -108,3 +108,15 @@ def test_non_invertible_optimizer_rolls_forward(references, tmp_path, marker):
                marker, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_recovered_equal(tmp_path / "save", references(2, "adagrad"), 2, events)
+
+
+@pytest.mark.timeout(300)
+def test_failures_in_consecutive_steps(references, tmp_path, marker):
+    """The second failure hits the first step after a recovery, before DDP rebuilt its buckets: the layout the
+    first recovery installed must still be the one handed on (else the next all-reduce sums differently)."""
+    events = tmp_path / "events.jsonl"
+    faults = ["--fault", "1:5:forward:sigkill", "--fault", "2:6:forward:sigkill"]
+    proc = run(launch_args(4, "adam", tmp_path / "save", events, faults), marker, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len([e for e in _events(events) if e["event"] == "recovery_end"]) == 2
+    assert_recovered_equal(tmp_path / "save", references(4, "adam"), 4, events)
