@@ -73,6 +73,7 @@ class Agent:
         self.pump: LogPump | None = None
         self.job: Job | None = None
         self._reaped: set[int] = set()
+        self._spares_spawned = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -312,6 +313,12 @@ class Agent:
         local_rank = None if action.rank is None else self._local(action.rank)
         if local_rank is not None:  # as torchrun: the folder of TORCHELASTIC_ERROR_FILE exists (torch's @record)
             Path(env["TORCHELASTIC_ERROR_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+        if action.rank is None:
+            # the first spares warm up at normal priority (they must be ready early); replenished ones at idle
+            # priority, so that on a machine the workers saturate they do not slow training after a recovery
+            self._spares_spawned += 1
+            if self._spares_spawned > self.config.spares:
+                env["SWIFTRUN_SPARE_IDLE"] = "1"
         argv = procs.worker_argv(self.config, spare=action.rank is None)
         try:
             if self.plan.piped:

@@ -55,14 +55,35 @@ def _warm_torch() -> None:
         dist.destroy_process_group()
 
 
+def _set_idle_priority(native_thread_id: int, idle: bool) -> None:
+    """Run a thread at SCHED_IDLE (it only gets CPU nobody else wants) or back at SCHED_OTHER.
+
+    A spare warms up while the job trains; on a machine whose cores the workers already fill, a warm-up at
+    normal priority slows every step (measured here: 4 ranks on 2 cores, 14.6 -> 20.2 ms per step)."""
+    policy = getattr(os, "SCHED_IDLE", None) if idle else getattr(os, "SCHED_OTHER", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return
+    try:
+        os.sched_setscheduler(native_thread_id, policy, os.sched_param(0))
+    except OSError:
+        pass  # not permitted here: warm up at normal priority
+
+
 def _wait_for_rank(link: Link) -> None:
     """A spare: warm the expensive imports, then block until ASSIGN gives this process a rank."""
+    import threading
+
+    main = threading.main_thread().native_id
+    if os.environ.get("SWIFTRUN_SPARE_IDLE") == "1":  # a replenished spare: training runs, do not slow it
+        _set_idle_priority(main, idle=True)  # this thread only: the link thread keeps heartbeating normally
+    link.on_assign = lambda: _set_idle_priority(main, idle=False)  # a rank is needed now: full speed
     try:
         _warm_torch()
     except Exception:  # noqa: BLE001 - warming is an optimisation; a cold start still works
         log.debug("warming the spare failed", exc_info=True)
     log.debug("spare warm, waiting for a rank")
     link.wait_for(lambda: link.command(CommandKind.ASSIGN) is not None or link.command(CommandKind.SHUTDOWN) is not None)
+    _set_idle_priority(main, idle=False)
     if link.command(CommandKind.SHUTDOWN) is not None:
         link.close()
         os._exit(0)

@@ -33,6 +33,7 @@ class Link:
         self.generation = wenv.generation  # the newest generation the launcher announced
         self.step = -1
         self.on_abort: Callable[[int], None] | None = None  # called in the link thread on ABORT
+        self.on_assign: Callable[[], None] | None = None  # called in the link thread on ASSIGN (a spare)
         self._pid = os.getpid()
         self._cv = threading.Condition()
         self._commands: dict[CommandKind, protocol.Command] = {}  # newest command of each kind
@@ -161,6 +162,8 @@ class Link:
         if cmd.command is CommandKind.ABORT and self.on_abort is not None:
             # release a training thread blocked in a collective before anything else
             self.on_abort(cmd.gen)
+        if cmd.command is CommandKind.ASSIGN and self.on_assign is not None:
+            self.on_assign()  # the spare's main thread may still be warming up at idle priority
         with self._cv:
             previous = self._commands.get(cmd.command)
             if previous is None or cmd.gen >= previous.gen:
@@ -179,3 +182,4 @@ class Link:
     def _forget_in_child(self) -> None:
         # the child has the object but not the thread; usable turns False because the pid changed
         self.on_abort = None
+        self.on_assign = None
