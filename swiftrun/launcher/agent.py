@@ -298,7 +298,10 @@ class Agent:
                 self.store.reset()
                 self.ends = envs.JobEndpoints(**{**self.ends.__dict__, "attempt_dir": self._attempt_dir(action.attempt)})
             elif isinstance(action, Record):
-                self.event_log.write(action.event, at=action.at, **action.fields)
+                fields = dict(action.fields)
+                if isinstance(fields.get("start"), float):  # the state machine speaks monotonic time
+                    fields["start"] = self.event_log.since_start(fields["start"])
+                self.event_log.write(action.event, at=action.at, **fields)
             elif isinstance(action, Note):
                 self._note(action.text)
             elif isinstance(action, Finish):

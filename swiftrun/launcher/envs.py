@@ -124,6 +124,9 @@ def worker_environ(
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_value(config)
     if rank is not None:
         env.update(rank_env(config, ends, rank, attempt))
+    elif "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        # a spare imports torch before it knows its rank: its thread pool is sized now, not at ASSIGN
+        env["OMP_NUM_THREADS"] = "1"
     env.update(
         runtime_env(config, ends, incarnation=incarnation, generation=generation, joining=joining, spare=rank is None)
     )

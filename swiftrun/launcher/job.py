@@ -167,7 +167,8 @@ class Job:
         if slot.rank is None or slot.state is not WorkerState.STARTING:
             return []
         # a replacement joins survivors; an original worker starts running
-        return self._set_state(slot, WorkerState.JOINING if slot.incarnation > 0 and self.recovery else WorkerState.RUNNING, now)
+        state = WorkerState.JOINING if slot.replacement and self.recovery else WorkerState.RUNNING
+        return self._set_state(slot, state, now) + self._advance_recovery(now)
 
     def on_alive(self, slot_id: int, now: float, step: int | None = None) -> list[Action]:
         slot = self.slots[slot_id]

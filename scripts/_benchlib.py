@@ -1,0 +1,383 @@
+"""Shared helpers of the benchmark scripts in scripts/ (plain standard library, no torch import).
+
+The benchmarks launch ``examples/train_dp.py`` under swiftrun and under torchrun, time them from the outside,
+read swiftrun's JSON-lines event log, and look at worker processes through /proc (Linux only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_DP = REPO / "examples" / "train_dp.py"
+PY = sys.executable
+
+
+# ------------------------------------------------------------------ commands
+
+
+def swiftrun_cmd(nproc: int, script_args: Sequence[str], *, event_log: Path | None = None,
+                 extra: Sequence[str] = ()) -> list[str]:
+    cmd = [PY, "-m", "swiftrun", "--no-dashboard", "--nproc-per-node", str(nproc)]
+    if event_log is not None:
+        cmd += ["--event-log", str(event_log)]
+    return cmd + list(extra) + [str(TRAIN_DP), *script_args]
+
+
+def torchrun_cmd(nproc: int, script_args: Sequence[str], *, max_restarts: int = 1,
+                 extra: Sequence[str] = ()) -> list[str]:
+    torchrun = shutil.which("torchrun")
+    base = [torchrun] if torchrun else [PY, "-m", "torch.distributed.run"]
+    return base + ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                   *extra, str(TRAIN_DP), *script_args]
+
+
+def train_args(steps: int, save_dir: Path, *, optimizer: str = "adam", ckpt_dir: Path | None = None,
+               ckpt_every: int | None = None, extra: Sequence[str] = ()) -> list[str]:
+    args = ["--steps", str(steps), "--optimizer", optimizer, "--save-dir", str(save_dir)]
+    if ckpt_dir is not None:
+        args += ["--ckpt-dir", str(ckpt_dir)]
+        if ckpt_every is not None:
+            args += ["--ckpt-every", str(ckpt_every)]
+    return args + list(extra)
+
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass
+class Result:
+    cmd: list[str]
+    rc: int | None
+    wall: float  # seconds from Popen to exit (or to the kill on timeout)
+    output: str
+    timed_out: bool = False
+    load_before: float = 0.0
+    load_after: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    other_cores: float | None = None  # CPU used by processes outside this run, in cores (machine busy-ness)
+
+    @property
+    def step_ms(self) -> float | None:
+        return parse_step_ms(self.output)
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and not self.timed_out and self.step_ms is not None
+
+
+def parse_step_ms(text: str) -> float | None:
+    for line in reversed(text.splitlines()):
+        if "train_dp: steps=" in line and "step_ms=" in line:
+            try:
+                return float(line.rsplit("step_ms=", 1)[1].split()[0])
+            except ValueError:
+                return None
+    return None
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def cpu_busy_seconds() -> float:
+    """Busy CPU time of the whole machine since boot (all cores, /proc/stat)."""
+    with open("/proc/stat", encoding="utf-8") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time of this script's reaped descendants (a launcher's includes its reaped workers)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def self_cpu_seconds() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class Launched:
+    """A launcher process started in its own session; its whole process tree can be killed."""
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.cmd = cmd
+        self.log_path = cwd / f"console-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("w")
+        self.load_before = load1()
+        self._cpu0 = (cpu_busy_seconds(), children_cpu_seconds(), self_cpu_seconds())
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait(self, timeout: float) -> Result:
+        timed_out = False
+        try:
+            rc: int | None = self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - self.t0)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_tree(self.proc.pid)
+            rc = self.proc.wait()
+        wall = time.monotonic() - self.t0
+        busy, mine, me = cpu_busy_seconds(), children_cpu_seconds(), self_cpu_seconds()
+        other = (busy - self._cpu0[0]) - (mine - self._cpu0[1]) - (me - self._cpu0[2])
+        self._log.close()
+        output = self.log_path.read_text(errors="replace")
+        return Result(self.cmd, rc, wall, output, timed_out, self.load_before, load1(),
+                      other_cores=max(0.0, other) / wall if wall > 0 else None)
+
+    def kill(self) -> None:
+        kill_tree(self.proc.pid)
+
+
+def run(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Result:
+    return Launched(cmd, cwd, env).wait(timeout)
+
+
+class Scratch:
+    """A temporary directory for one benchmark (removed at exit unless keep)."""
+
+    def __init__(self, name: str, keep: bool = False) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix=f"swiftrun-{name}-"))
+        self.keep = keep
+        self._n = 0
+
+    def new(self, label: str) -> Path:
+        self._n += 1
+        path = self.root / f"{self._n:03d}-{label}"
+        path.mkdir(parents=True)
+        return path
+
+    def close(self) -> None:
+        if self.keep:
+            print(f"(kept scratch directory {self.root})", file=sys.stderr)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ /proc
+
+
+def ppid_map() -> dict[int, int]:
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[-1].split()
+        if len(fields) > 1:
+            out[int(name)] = int(fields[1])
+    return out
+
+
+def descendants(root: int, parents: dict[int, int] | None = None) -> list[int]:
+    parents = ppid_map() if parents is None else parents
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
+    """Signal ``root`` and every descendant (the process tree this script started)."""
+    pids = descendants(root) + [root]
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(root, sig)  # launched with start_new_session: the group id is the launcher's pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process was *started* with (changes made later by the process are not visible)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        if b"=" in item:
+            k, v = item.split(b"=", 1)
+            out[k.decode(errors="replace")] = v.decode(errors="replace")
+    return out
+
+
+def status_kb(pid: int, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def find_rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """A live descendant of the launcher started with RANK=rank (spares have no RANK yet)."""
+    for pid in descendants(launcher_pid):
+        env = environ(pid)
+        if env.get("RANK") == str(rank) and env.get("SWIFTRUN_SPARE", "0") != "1":
+            return pid
+    return None
+
+
+class Poller(threading.Thread):
+    """Calls ``fn()`` every ``period`` seconds in the background until stopped."""
+
+    def __init__(self, fn: Callable[[], None], period: float) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.period = fn, period
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self.fn()
+            except Exception:  # noqa: BLE001 - a process may vanish between listing and reading
+                pass
+            self._stop_event.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+# ------------------------------------------------------------------ event log
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return read_events_text(path.read_text(errors="replace"))
+
+
+def read_events_text(text: str) -> list[dict[str, Any]]:
+    """The events of JSON-lines text, skipping torn or foreign lines."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "event" in rec:
+            out.append(rec)
+    return out
+
+
+# ------------------------------------------------------------------ statistics and tables
+
+
+def med(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def spread(values: Iterable[float | None]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    return (min(vals), max(vals)) if vals else (None, None)
+
+
+def wavg(pairs: Iterable[tuple[float | None, float]]) -> float | None:
+    """Weighted mean of (value, weight) pairs, skipping missing values."""
+    pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_stat(values: Sequence[float | None], digits: int = 2) -> str:
+    """median [min..max] (n)"""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return fmt(vals[0], digits)
+    lo, hi = min(vals), max(vals)
+    return f"{fmt(statistics.median(vals), digits)} [{fmt(lo, digits)}..{fmt(hi, digits)}]"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def machine_line() -> str:
+    try:
+        import platform
+
+        torch_version = "?"
+        try:
+            from importlib.metadata import version
+
+            torch_version = version("torch")
+        except Exception:  # noqa: BLE001
+            pass
+        return (f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} CPUs, {platform.machine()}, "
+                f"python {platform.python_version()}, torch {torch_version}, load average at start "
+                f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    except Exception:  # noqa: BLE001
+        return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def write_json(path: str | None, payload: Any) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2, default=str))
+        print(f"raw results written to {path}")
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.splitlines()[-lines:])
