@@ -297,19 +297,10 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 
 def read_events_text(text: str) -> list[dict[str, Any]]:
-    """The events of JSON-lines text, skipping torn or foreign lines."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "event" in rec:
-            out.append(rec)
-    return out
+    """The events of JSON-lines text, skipping torn or foreign lines (swiftrun's own parser)."""
+    from swiftrun.events import parse_events
+
+    return list(parse_events(text.splitlines()))
 
 
 # ------------------------------------------------------------------ statistics and tables

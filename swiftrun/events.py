@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterable, Iterator, TextIO
 
 
 class EventName(str, enum.Enum):
@@ -64,16 +64,21 @@ class EventLog:
 def read_events(path: Path) -> Iterator[dict[str, Any]]:
     """Yield the events of a log, skipping a torn last line (the job may still be running)."""
     with path.open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "event" in record:
-                yield record
+        yield from parse_events(f)
+
+
+def parse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The events among JSON lines; blank, torn or foreign lines are skipped."""
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "event" in record:
+            yield record
 
 
 def _jsonable(value: Any) -> Any:
