@@ -236,12 +236,15 @@ class Agent:
             return
         self._pending_progress = None
         self._last_progress_record = now
-        steps_per_s = None
-        if len(self._progress) >= 2 and self._progress[-1][0] > self._progress[0][0]:
-            (t_a, s_a), (t_b, s_b) = self._progress[0], self._progress[-1]
-            steps_per_s = (s_b - s_a) / (t_b - t_a)
         self.event_log.write(EventName.PROGRESS, at=now, step=msg.step, loss=msg.loss, step_time=msg.step_time,
-                             steps_per_s=steps_per_s)
+                             steps_per_s=self._steps_per_s())
+
+    def _steps_per_s(self) -> float | None:
+        """Rank 0's recent throughput, over the last steps it reported."""
+        if len(self._progress) < 2:
+            return None
+        (t_a, s_a), (t_b, s_b) = self._progress[0], self._progress[-1]
+        return (s_b - s_a) / (t_b - t_a) if t_b > t_a else None
 
     def _on_hello(self, router: zmq.Socket, identity: bytes, msg: protocol.Hello, now: float) -> None:
         assert self.job is not None
@@ -392,11 +395,7 @@ class Agent:
                     phases.append(PhaseView(phase, None))
             recovery = RecoveryView(rec.generation, rec.failed_ranks, rec.cause, tuple(phases), rec.mode,
                                     rec.source_rank, rec.done, rec.total)
-        steps_per_s = None
-        if len(self._progress) >= 2:
-            (t_a, s_a), (t_b, s_b) = self._progress[0], self._progress[-1]
-            if t_b > t_a:
-                steps_per_s = (s_b - s_a) / (t_b - t_a)
+        steps_per_s = self._steps_per_s()
         samples = None
         rank0 = job.slot_of_rank(0)
         for key in ("samples_per_s", "tokens_per_s"):

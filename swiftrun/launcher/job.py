@@ -242,17 +242,7 @@ class Job:
         if returncode == 0 and not self.recovery:
             actions = self._set_state(slot, WorkerState.EXITED, now)
             return actions + self._maybe_finish(now)
-        failure = ProcessFailure(
-            rank=slot.rank,
-            local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
-            pid=slot.pid or 0,
-            exitcode=returncode,
-            timestamp=now + self.wall_offset,
-            monotonic=now,
-            cause=cause,
-            traceback=slot.traceback,
-            error_file=error_file,
-        )
+        failure = self._failure(slot, now, cause, exitcode=returncode, error_file=error_file)
         return self._on_failures([(slot, failure)], now, detect=0.0)
 
     def on_signal(self, signum: int, now: float) -> list[Action]:
@@ -353,17 +343,20 @@ class Job:
 
     # ------------------------------------------------------------------ failures
 
-    def _failure(self, slot: Slot, now: float, cause: str) -> ProcessFailure:
+    def _failure(self, slot: Slot, now: float, cause: str, exitcode: int = -signal.SIGKILL,
+                 error_file: str | None = None) -> ProcessFailure:
+        """The failure record of ``slot``; by default one the launcher itself ends with SIGKILL (hang, stall)."""
         assert slot.rank is not None
         return ProcessFailure(
             rank=slot.rank,
             local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
             pid=slot.pid or 0,
-            exitcode=-signal.SIGKILL,
+            exitcode=exitcode,
             timestamp=now + self.wall_offset,
             monotonic=now,
             cause=cause,
             traceback=slot.traceback,
+            error_file=error_file,
         )
 
     def _on_failures(self, failed: list[tuple[Slot, ProcessFailure]], now: float, detect: float) -> list[Action]:

@@ -10,7 +10,6 @@ before ``execvp``. Spawning happens on the event loop's thread only: the parent-
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -116,11 +115,3 @@ def spawn(
         opened_files=list(opened_files or ()),
     )
 
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"

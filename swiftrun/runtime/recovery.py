@@ -188,9 +188,13 @@ class Recovery:
         self._records.clear()
         return plan, phases
 
+    @property
+    def position(self) -> int:
+        """The last step whose optimizer update this rank's state holds (the step in progress if partial)."""
+        return self.completed + (1 if self.partial else 0)
+
     def _status(self) -> RankStatus:
-        position = self.completed + (1 if self.partial else 0)
-        return RankStatus(self.rank, self.valid, position, not self.partial, self._undoable())
+        return RankStatus(self.rank, self.valid, self.position, not self.partial, self._undoable())
 
     def _consensus(self) -> Plan:
         device = self.group.device()
@@ -251,7 +255,7 @@ class Recovery:
         return post_hook
 
     def _undoable(self) -> bool:
-        step = self.completed + (1 if self.partial else 0)
+        step = self.position
         records = self._records.get(step)
         if not records or step < 0:
             return False
@@ -259,7 +263,7 @@ class Recovery:
         return all(undo.undoable(self.reg.optimizers[i], record)[0] for i, record in records.items())
 
     def _undo_last_update(self) -> None:
-        step = self.completed + (1 if self.partial else 0)
+        step = self.position
         records = self._records.get(step, {})
         for index in sorted(records, reverse=True):
             undo.undo_step(self.reg.optimizers[index], records[index])
