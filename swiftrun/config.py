@@ -53,7 +53,8 @@ class Entrypoint:
 class FaultSpec:
     """A fault the runtime injects into one rank (tests and demos only).
 
-    ``phase`` is one of forward, backward, allreduce, step, after-step, recover;
+    ``phase`` is one of forward, backward, allreduce, step, scheduler, after-step, collective, save, recover,
+    transfer, import (see swiftrun/runtime/faults.py for where each fires);
     ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil.
     ``every_incarnation`` makes replacements of that rank fail the same way (a deterministic crash).
     """
@@ -64,7 +65,8 @@ class FaultSpec:
     kind: str
     every_incarnation: bool = False
 
-    PHASES = ("forward", "backward", "allreduce", "step", "after-step", "recover", "import")
+    PHASES = ("forward", "backward", "allreduce", "step", "scheduler", "after-step", "collective", "save",
+              "recover", "transfer", "import")
     KINDS = ("sigkill", "exception", "exit", "sigstop", "segfault", "hang-gil")
 
     def __post_init__(self) -> None:

@@ -42,7 +42,9 @@ class Run:
     """Registers what must survive a failure and drives the training loop (see the module docstring).
 
     Args:
-        model: the model, DDP-wrapped or not. Its parameters and buffers travel to a replacement.
+        model: the model: a DDP module, the module it wraps, a ``torch.compile``d one, or a list of them (a GAN's
+            generator and discriminator). Every parameter and buffer travels to a replacement; every DDP wrapper
+            is rebound to the rebuilt process group (DDP modules not passed here are found and registered too).
         optimizer: one optimizer or a list. Their state travels; their last step can be undone.
         scheduler: one LR scheduler or a list; state travels and is restored when a step is undone.
         scaler: a ``torch.amp.GradScaler``; a step it skipped is not undone.
@@ -65,6 +67,7 @@ class Run:
             self._rt = None  # nothing to recover from a replica: behave as under torchrun
             return
         from swiftrun.runtime.recovery import Recovery
+        from swiftrun.runtime.registry import _as_list  # noqa: PLC2701
 
         self._recovery = Recovery(self._rt, model, _as_list(optimizer), _as_list(scheduler), scaler, state)
         self._next = self._recovery.start()
@@ -73,6 +76,13 @@ class Run:
     def active(self) -> bool:
         """True when failures of this job are recovered in place (running under swiftrun with replicas)."""
         return self._recovery is not None
+
+    @property
+    def aborted(self) -> bool:
+        """True in the rest of an iteration that a recovery interrupted: that step is redone by the next
+        iteration, so code after the guard with side effects (saving a checkpoint labelled with the step) should
+        skip when this is set. Always False under torchrun and as a single process."""
+        return self._recovery is not None and self._recovery.aborted_iteration
 
     def steps(self, total: int, start: int = 0, loader: Any = None) -> Iterator[Any]:
         """Yield the step numbers ``start .. total-1``; after a recovery, the step to (re)do next.
@@ -118,14 +128,18 @@ class Run:
             yield
             return
         rec = self._recovery
+        rec.in_guard = True
         try:
             yield
         except BaseException as exc:  # noqa: BLE001 - decided below: recover, or re-raise the user's own error
+            rec.in_guard = False
             if not rec.caused_by_peer_failure(exc):
                 raise
             rec.next_step = rec.recover()
             return
-        rec.complete_step(self._step)
+        rec.in_guard = False
+        if not rec.aborted_iteration:
+            rec.complete_step(self._step)
 
     def report(self, loss: float | None = None, **metrics: float) -> None:
         """Report this step's loss and extra metrics to the launcher (no-op outside swiftrun)."""
@@ -150,12 +164,21 @@ class _LoaderCursor:
                             "swiftrun.ResumableDistributedSampler as its sampler")
         self.sampler = sampler
         self.batch_size = int(loader.batch_size)
+        if getattr(loader, "num_workers", 0) > 0 and not isinstance(loader.dataset, _PerSampleSeeds):
+            # a worker's RNG advances with every sample it loads, and which worker loads which batch depends on
+            # where the iterator started: seed each sample from its index so random augmentation does not
+            object.__setattr__(loader, "dataset", _PerSampleSeeds(loader.dataset))
         self._iterator: Iterator[Any] | None = None
         self._next_step: int | None = None
 
     def _seek(self, step: int) -> None:
         """Position the sampler at ``step``'s batch. Steps count batches, and an epoch has a whole number of
-        them (its last batch shorter, or dropped with drop_last), so the position is worked out per epoch."""
+        them (its last batch shorter, or dropped with drop_last), so the position is worked out per epoch.
+
+        ``iter(DataLoader)`` draws its workers' base seed from the loader's generator, or from the global torch
+        RNG when it has none; either would make a re-created iterator (after a recovery) differ from the one
+        failure-free training created at the epoch's start. So the base seed is a function of the sampler's seed
+        and the epoch, set through a generator of our own before every ``iter()``."""
         per_epoch = len(self.sampler)
         full, rest = divmod(per_epoch, self.batch_size)
         batches = full if getattr(self.loader, "drop_last", False) or rest == 0 else full + 1
@@ -163,6 +186,7 @@ class _LoaderCursor:
             raise ValueError("the DataLoader yields no batch per epoch")
         epoch, index = divmod(step, batches)
         self.sampler.seek(epoch * per_epoch + index * self.batch_size)
+        self.loader.generator = _epoch_generator(int(getattr(self.sampler, "seed", 0)), epoch)
         self._iterator = iter(self.loader)
 
     def batch_for(self, step: int) -> Any:
@@ -178,8 +202,44 @@ class _LoaderCursor:
         return batch
 
 
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+def _epoch_generator(seed: int, epoch: int) -> Any:
+    import torch
+
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class _PerSampleSeeds:
+    """A map-style dataset whose samples, loaded in a DataLoader worker, see RNGs seeded from (worker base seed
+    of the epoch, sample index): the same random draws whichever worker loads the sample and whenever."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is not None:
+            import random
+
+            import torch
+
+            seed = ((info.seed - info.id) * 1_000_003 + int(index)) & 0xFFFF_FFFF
+            torch.manual_seed(seed)
+            random.seed(seed)
+            try:
+                import numpy as np
+
+                np.random.seed(seed)
+            except ImportError:
+                pass
+        return self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("__getitems__", "dataset"):  # per-sample fetching, so every sample is seeded
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 

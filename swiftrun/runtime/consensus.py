@@ -18,7 +18,7 @@ state, so replicas end bitwise equal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swiftrun.errors import RecoveryError
 
@@ -30,13 +30,17 @@ class RankStatus:
     updates: int = -1
     boundary: bool = True
     undoable: bool = False  # the last update can be inverted (records intact, optimizer invertible)
+    # the failure reached this rank outside a step's body (evaluation, a checkpoint barrier after the guard):
+    # what that code does next may depend on a skipped collective, so the state is verified at the next step
+    outside_step: bool = False
 
     def pack(self) -> list[int]:
-        return [self.rank, int(self.valid), self.updates, int(self.boundary), int(self.undoable)]
+        return [self.rank, int(self.valid), self.updates, int(self.boundary), int(self.undoable),
+                int(self.outside_step)]
 
     @classmethod
     def unpack(cls, row: list[int]) -> RankStatus:
-        return cls(int(row[0]), bool(row[1]), int(row[2]), bool(row[3]), bool(row[4]))
+        return cls(int(row[0]), bool(row[1]), int(row[2]), bool(row[3]), bool(row[4]), bool(row[5]))
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Plan:
     undo: tuple[int, ...] = ()  # ranks that invert their last update before the transfer
     mode: str = "replica"  # "replica" (survivors agreed), "roll-forward", "undo"
     notes: tuple[str, ...] = field(default=())
+    verify_next: bool = False  # compare every rank's whole state when the next step begins
 
     def as_dict(self) -> dict:
         return {"point": self.point, "source": self.source, "targets": list(self.targets), "undo": list(self.undo),
@@ -58,9 +63,8 @@ def plan_recovery(statuses: list[RankStatus], mode: str) -> Plan:
     valid = [s for s in statuses if s.valid]
     if not valid:
         raise RecoveryError("no surviving replica holds a consistent state (every rank is new or was overwritten)")
-    if mode == "undo":
-        return _plan_undo(statuses, valid)
-    return _plan_roll_forward(statuses, valid)
+    plan = _plan_undo(statuses, valid) if mode == "undo" else _plan_roll_forward(statuses, valid)
+    return replace(plan, verify_next=any(s.outside_step for s in statuses))
 
 
 def _plan_roll_forward(statuses: list[RankStatus], valid: list[RankStatus]) -> Plan:

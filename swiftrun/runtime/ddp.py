@@ -55,6 +55,12 @@ def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
         ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
     finally:
         dist._compute_bucket_assignment_by_size = original
+    if ddp.static_graph:
+        # DDP's constructor tells a static-graph reducer so after _ddp_init_helper; a rebuilt reducer must be
+        # told again, or its first backward fails (it would expect the dynamic-graph bookkeeping)
+        ddp._static_graph_delay_allreduce_enqueued = False
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
     setattr(ddp, _FORCED, layout)
     for hook, state in list(ddp._comm_hooks):  # a user's comm hook lived on the old reducer
         dist._register_comm_hook(ddp.reducer, state, hook)

@@ -3,8 +3,13 @@
 The runtime calls :func:`fire` at named points of a training step: forward (the model's forward starts),
 backward (the first gradient is produced), allreduce (a gradient of the first layer is produced, so earlier
 buckets are being all-reduced), step (inside optimizer.step, after the update, before the runtime records it),
-after-step (optimizer.step returned), recover (this rank is in the middle of an in-place recovery). A fault
-fires once, in the first incarnation of its rank, unless ``every`` makes each replacement fail the same way.
+scheduler (a scheduler's step() returned), after-step (optimizer.step returned), collective (a torch.distributed
+collective the script calls itself: an evaluation all-reduce, a checkpoint barrier), save (torch.save is called;
+after the training loop the step is the number of steps, so ``R:TOTAL:save:K`` is a crash while saving the final
+file), recover (this rank is in the middle of an in-place recovery), transfer (the source of a state transfer,
+after its first chunk), import (before the script runs). A fault fires once, in the first incarnation of its
+rank, unless ``every`` makes each replacement fail the same way. The scheduler and save points are hooked only
+when a fault is planned there, so a run without faults runs unpatched code.
 """
 
 from __future__ import annotations
@@ -31,6 +36,44 @@ def install(wenv: WorkerEnv) -> None:
     _rank, _incarnation = wenv.rank, wenv.incarnation
     _plan = [FaultSpec.parse(text) for text in wenv.faults.split(";") if text.strip()]
     fire("import", 0)
+    if planned("save"):
+        import torch
+
+        torch.save = _before(torch.save, "save")
+    if planned("scheduler"):
+        from torch.optim import lr_scheduler
+
+        for cls in (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau):
+            cls.step = _after(cls.step, "scheduler")
+
+
+def _current_step() -> int:
+    from swiftrun.runtime import process
+
+    rt = process.current()
+    return max(rt.link.step, 0) if rt is not None else 0
+
+
+def _before(fn, phase: str):
+    def wrapped(*args, **kwargs):
+        fire(phase, _current_step())
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _after(fn, phase: str):
+    def wrapped(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        fire(phase, _current_step())
+        return result
+
+    return wrapped
+
+
+def planned(*phases: str) -> bool:
+    """Whether a fault of this process's rank is planned at any of ``phases`` (hooks are installed only then)."""
+    return any(f.rank == _rank and f.phase in phases and (f.every_incarnation or _incarnation == 0) for f in _plan)
 
 
 def armed(phase: str, step: int) -> FaultSpec | None:

@@ -103,6 +103,19 @@ class GroupManager:
         if aborted:  # the launcher moved past this generation while we were building it
             self.abort(self._aborted_below)
 
+    def new_group(self, members: list[int]) -> Any:
+        """A subgroup of the current generation whose connections are aborted with the rest (a transfer's
+        source dying mid-stream must release its receivers at once, like any other collective)."""
+        before = _connected_tcp_sockets()
+        group = dist.new_group(members)
+        after = _connected_tcp_sockets()
+        with self._lock:
+            self._sockets += [(fd, ino) for fd, ino in after.items() if before.get(fd) != ino]
+            aborted = self.generation < self._aborted_below
+        if aborted:
+            self.abort(self._aborted_below)
+        return group
+
     def abort(self, generation: int) -> None:
         """Generation ``generation`` begins: release every collective blocked on an older group, now.
 

@@ -1,11 +1,12 @@
 """The worker's side of the recovery protocol (see docs/ARCHITECTURE.md, "The recovery sequence").
 
-One :class:`Recovery` per process, created by ``swiftrun.Run``. It tracks where this rank's state stands
-(last completed step, whether the update of the step in progress was applied), keeps what an undo would need
-only as long as it can be needed, and runs the recovery procedure when the launcher aborts a generation:
+One :class:`Recovery` per process, created by ``swiftrun.Run``. A training step is a transaction
+(:mod:`~swiftrun.runtime.txn`): its start is snapshotted, the optimizer update inside it is tracked (and can be
+undone), and when the launcher aborts a generation every rank first settles its own state (an interrupted step is
+put back to its start; a rank whose state something untracked wrote says it is not valid), then runs:
 
     ABORTED/JOINING -> wait RECOVER(g) -> rebuild group g -> consensus -> undo -> transfer -> rebind DDP
-    -> RECOVERED(g) -> wait RESUME(g)
+    -> verify (digests of the whole state agree on every rank) -> RECOVERED(g) -> wait RESUME(g)
 
 A newer ABORT at any point restarts the procedure for the newer generation; what was already made consistent
 stays consistent (a rank whose state was being overwritten reports itself invalid until the transfer ends).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -23,18 +25,27 @@ import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
 from swiftrun.protocol import CommandKind, EventKind
-from swiftrun.runtime import faults, undo
+from swiftrun.runtime import collectives, faults, undo, verify
 from swiftrun.runtime import state as st
 from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
 from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.process import ProcessRuntime
+from swiftrun.runtime.registry import Registry, RegistrationError
+from swiftrun.runtime.transfer import DEFAULT_CHUNK_BYTES
+from swiftrun.runtime.txn import Transaction, rng_state, set_rng_state
 
 log = logging.getLogger("swiftrun.runtime")
 
 # gloo and NCCL errors a survivor sees when a peer dies or its group is aborted
 _PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "timed out", "broken pipe", "aborted",
                          "connection refused", "read error", "nccl", "gloo", "peer")
+
+
+def warn(message: str) -> None:
+    """A warning the user must see: on stderr, prefixed so it stands out from the script's own output."""
+    sys.stderr.write(f"[swiftrun] WARNING rank {os.environ.get('RANK', '?')}: {message}\n")
+    sys.stderr.flush()
 
 
 class Recovery:
@@ -45,7 +56,13 @@ class Recovery:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.mode = rt.wenv.recovery if rt.wenv.recovery in ("auto", "roll-forward", "undo") else "auto"
-        self.reg = st.Registry(model, optimizers, schedulers, scaler, user_state)
+        self.reg = Registry.build(model, optimizers, schedulers, scaler, user_state)
+        for note in self.reg.notes:
+            log.info(note)
+        for message in verify.registration_warnings(self.reg):
+            warn(f"{message}: a recovery cannot restore its state exactly")
+        # undo mode may undo a completed step, whose start is one snapshot older than the current step's
+        self.txn = Transaction(self.reg, keep=2 if self.mode == "undo" else 1)
         init = rt.init_kwargs or {}
         backend = init.get("backend") or dist.get_backend()
         self.group = GroupManager(self.rank, self.world_size, backend, init.get("timeout"), init.get("device_id"))
@@ -56,14 +73,24 @@ class Recovery:
         self.valid = not self.joining
         self.completed = -1  # last step whose body finished on this rank
         self.partial = False  # the optimizer update of step completed+1 is applied, the body not finished
-        self.in_step = False
+        self.in_step = False  # between begin_step and complete_step (the guarded body of a step)
+        self.in_guard = False
         self.step = -1
         self.next_step = 0
         self.last_loss: float | None = None
+        # set when a recovery interrupts an iteration: the rest of that iteration's collectives are skipped
+        self.aborted_iteration = False
+        self.released = False  # every rank finished training: the script's tail runs, no more recoveries
+        self.tainted = False  # a collective wrote registered state during the current step
+        self.verify_next = False  # verify the whole state when the next step begins (set by consensus)
+        self.verify_every = _env_int("SWIFTRUN_VERIFY_EVERY", 0)
+        self.chunk_bytes = _env_int("SWIFTRUN_TRANSFER_CHUNK_MB", DEFAULT_CHUNK_BYTES >> 20) << 20
+        self._stepped: dict[int, int] = {}  # registered optimizer index -> steps taken in this iteration
+        self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
+        self._checked_first_step = False
         self._records: dict[int, dict[int, undo.StepRecord]] = {}  # step -> optimizer index -> record
-        self._small: dict[int, dict[str, Any]] = {}  # step -> schedulers/scaler at the step's start
-        self._rng: dict[int, dict[str, Any]] = {}  # step -> RNG state at the step's start
         self._install_hooks()
+        collectives.install(self)
 
     # ------------------------------------------------------------------ start
 
@@ -75,9 +102,10 @@ class Recovery:
         self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self._aborted())
         if not self._aborted():
             try:
-                self.group.build(self.generation, self._connect_timeout())
-                if self.reg.ddp is not None:
-                    rebind(self.reg.ddp, None)
+                with collectives.internal():
+                    self.group.build(self.generation, self._connect_timeout())
+                for ddp in self.reg.ddps:
+                    rebind(ddp, None)
                 return 0
             except Exception:  # noqa: BLE001 - a peer died while the first group was built
                 if not self._wait_for_abort():
@@ -87,34 +115,64 @@ class Recovery:
     # ------------------------------------------------------------------ step bookkeeping
 
     def begin_step(self, step: int) -> bool:
-        """Snapshot what a redo of ``step`` needs; False when the generation was aborted (recover first)."""
+        """Snapshot the step's start; False when the generation was aborted (recover first)."""
         if self._aborted():
             return False
+        if self.verify_next or (self.verify_every and step > 0 and step % self.verify_every == 0):
+            if not self._verify_between_steps(step):
+                return False
         self.step = step
         self.in_step = True
+        self.aborted_iteration = False
+        self.tainted = False
+        self._stepped.clear()
         self.link.step = step
-        self._rng = {k: v for k, v in self._rng.items() if k >= step - 1}
-        self._small = {k: v for k, v in self._small.items() if k >= step - 1}
-        self._rng[step] = st.rng_state()
-        self._small[step] = self.reg.small_state()
+        self.txn.begin(step)
         return True
 
     def complete_step(self, step: int) -> None:
+        if not self.in_step:
+            return  # a second guard in the same iteration: the step was completed by the first
         self.in_step = False
         self.completed = step
         self.partial = False
         self.next_step = step + 1
+        if not self._checked_first_step:
+            self._checked_first_step = True
+            self._check_first_step()
+        if self._unregistered:
+            names = ", ".join(sorted(set(self._unregistered.values())))
+            self._unregistered.clear()
+            self._warn_once(f"unregistered:{names}", (
+                f"an optimizer not passed to swiftrun.Run stepped ({names}); its state does not travel to a "
+                "replacement, so recovery would not be exact: pass it with swiftrun.Run(optimizer=[...])"))
         if self.mode != "undo":
             # nobody will ever need to undo a completed step: roll-forward takes a completed rank's state
             self._records.clear()
         else:
             self._records = {k: v for k, v in self._records.items() if k >= step}
 
+    def _check_first_step(self) -> None:
+        """Layouts recovery cannot make exact are refused at the first step, not at the first failure."""
+        if self.reg.optimizers and not self._stepped and not self._unregistered and not self._scaler_skipped():
+            raise RegistrationError(
+                "no registered optimizer stepped in the first iteration of run.steps(): one iteration must hold "
+                "a whole optimizer step (accumulate gradients over micro-batches inside the guarded body), "
+                "otherwise a recovery would silently drop the gradients accumulated so far")
+
+    def _scaler_skipped(self) -> bool:
+        """A GradScaler that found inf/NaN skips optimizer.step() and lowers its scale in update()."""
+        scaler, snap = self.reg.scaler, self.txn.current
+        if scaler is None or snap is None or not snap.scaler:
+            return False
+        before = snap.scaler.get("scale")
+        return before is not None and float(scaler.get_scale()) < float(before)
+
     def caused_by_peer_failure(self, exc: BaseException) -> bool:
         """Whether an exception in a step comes from a peer's failure (recover) rather than from the script."""
         if self._aborted():
             return True
-        if isinstance(exc, (faults.InjectedFault, KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, (faults.InjectedFault, KeyboardInterrupt, SystemExit, RegistrationError)):
             return False
         text = str(exc).lower()
         if isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_FAILURE_MARKERS):
@@ -122,16 +180,26 @@ class Recovery:
             return self._wait_for_abort()
         return False
 
+    def note_collective_on_state(self) -> None:
+        """A collective the script issued inside the current step reads or writes registered state in place."""
+        if self.in_step:
+            self.tainted = True
+
     # ------------------------------------------------------------------ the procedure
+
+    def recover_here(self) -> None:
+        """A collective outside the guarded body failed because of a peer (or the generation was aborted):
+        recover now; the rest of this iteration's collectives are skipped (the replacement does not run them)."""
+        self.next_step = self.recover()
+        self.aborted_iteration = True
 
     def recover(self) -> int:
         """Run the recovery for the newest aborted generation; returns the step to run next."""
+        self._settle()
+        self.aborted_iteration = True
         while True:
             gen = self.link.generation
             started = time.monotonic()
-            if self.valid:
-                self.reg.clear_grads()
-            self.in_step = False
             kind = EventKind.JOINING if self.joining else EventKind.ABORTED
             log.debug("generation %d: %s (valid=%s completed=%d partial=%s)", gen, kind.value, self.valid,
                       self.completed, self.partial)
@@ -145,7 +213,8 @@ class Recovery:
             if not got:
                 raise RecoveryError(f"the launcher never asked generation {gen} to recover")
             try:
-                plan, phases = self._recover_generation(gen)
+                with collectives.internal():
+                    plan, phases = self._recover_generation(gen)
             except RecoveryError as exc:
                 self.link.send_event(EventKind.UNRECOVERABLE, gen=gen, reason=str(exc))
                 self.link.wait_for(lambda: self.link.generation > gen)  # the launcher restarts or stops the job
@@ -163,6 +232,29 @@ class Recovery:
             self.generation = gen
             self.joining = False
             return self.next_step
+
+    def _settle(self) -> None:
+        """The step in progress was interrupted: put back what it changed, or declare this rank's state invalid.
+
+        A rank that applied its update (partial) keeps it: consensus decides between undoing it and taking a
+        finished rank's state. A rank that did not has only the step's side effects to put back (buffers,
+        hyperparameters, schedulers, scaler, user state), unless its parameters were written by something other
+        than the optimizer (an in-place collective on the model, a manual edit): then no snapshot covers them."""
+        if not self.in_step:
+            return
+        self.in_step = False
+        if not self.valid:
+            return
+        if self.partial:
+            return
+        if self.tainted or self.txn.params_touched():
+            log.debug("step %d wrote registered state outside the optimizer: this rank is not a valid source",
+                      self.step)
+            self.valid = False
+            return
+        snap = self.txn.snapshot(self.step)
+        if snap is not None:
+            self.txn.restore(snap)
 
     def _recover_generation(self, gen: int) -> tuple[Plan, dict[str, float]]:
         phases: dict[str, float] = {}
@@ -186,6 +278,14 @@ class Recovery:
         self.completed, self.partial, self.valid = plan.point, False, True
         self.next_step = plan.point + 1
         self._records.clear()
+        self.reg.clear_grads()
+
+        t = time.monotonic()
+        mismatches = verify.compare(self.reg)
+        phases["verify"] = time.monotonic() - t
+        if mismatches:
+            raise RecoveryError("replicas differ after the recovery: " + verify.describe(mismatches))
+        self.verify_next = plan.verify_next
         return plan, phases
 
     @property
@@ -194,7 +294,8 @@ class Recovery:
         return self.completed + (1 if self.partial else 0)
 
     def _status(self) -> RankStatus:
-        return RankStatus(self.rank, self.valid, self.position, not self.partial, self._undoable())
+        return RankStatus(self.rank, self.valid, self.position, not self.partial, self._undoable(),
+                          outside_step=not self.joining and not self.partial and self.step == self.completed)
 
     def _consensus(self) -> Plan:
         device = self.group.device()
@@ -206,43 +307,75 @@ class Recovery:
 
     def _transfer(self, plan: Plan) -> None:
         device = self.group.device()
-        # every rank needs the source's bucket layout and the RNG of the step to redo; the bulk state only
+        # every rank needs the source's bucket layouts and the RNG of the step to redo; the bulk state only
         # goes to the targets
+        own_rng = self.txn.rng_for(plan.point + 1)
         box: list[Any] = [None]
         if self.rank == plan.source:
-            box[0] = {"layout": st.layout_of(self.reg), "rng": self._rng.get(plan.point + 1) or st.rng_state()}
+            box[0] = {"layouts": st.layouts_of(self.reg), "rng": own_rng or rng_state()}
         dist.broadcast_object_list(box, src=plan.source, device=device if device.type == "cuda" else None)
         shared = box[0]
         if plan.targets:
             members = sorted({plan.source, *plan.targets})
-            group = None if len(members) == self.world_size else dist.new_group(members)
+            group = None if len(members) == self.world_size else self.group.new_group(members)
             if self.rank in members:
                 if self.rank != plan.source:
                     self.valid = False  # until the whole state arrived
-                st.transfer(self.reg, plan.source, self.rank, group, device, extra={})
-        if self.reg.ddp is not None:
-            rebind(self.reg.ddp, shared["layout"])
-        own_rng = self._rng.get(plan.point + 1)
-        st.set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
+                st.transfer(self.reg, plan.source, self.rank, group, device, self.chunk_bytes,
+                            on_chunk=self._transfer_fault if self.rank == plan.source else None)
+        for ddp, layout in zip(self.reg.ddps, shared["layouts"]):
+            rebind(ddp, layout)
+        set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
+
+    def _transfer_fault(self, chunk: int) -> None:
+        if chunk == 0:
+            faults.fire("transfer", max(self.step, 0))
+
+    def _verify_between_steps(self, step: int) -> bool:
+        """Compare every rank's whole state before ``step``; False if a peer failed meanwhile (recover first)."""
+        self.verify_next = False
+        try:
+            with collectives.internal():
+                mismatches = verify.compare(self.reg)
+        except Exception:  # noqa: BLE001 - a peer died during the comparison: recover, the recovery verifies
+            if self._wait_for_abort():
+                return False
+            raise
+        if mismatches:
+            raise RecoveryError(f"replicas differ before step {step}: " + verify.describe(mismatches))
+        return True
 
     # ------------------------------------------------------------------ undo
 
     def _install_hooks(self) -> None:
+        registered = {id(opt): index for index, opt in enumerate(self.reg.optimizers)}
         for index, opt in enumerate(self.reg.optimizers):
             opt.register_step_pre_hook(self._make_pre_hook(index))
             opt.register_step_post_hook(self._make_post_hook(index))
-        module = self.reg.module
-        if module is not None and faults._plan:
-            module.register_forward_pre_hook(lambda *_: faults.fire("forward", self.step))
-            params = [p for p in module.parameters() if p.requires_grad]
-            if params:
-                params[-1].register_hook(lambda g: (faults.fire("backward", self.step), g)[1])
-                params[0].register_hook(lambda g: (faults.fire("allreduce", self.step), g)[1])
+
+        def any_step(optimizer, args, kwargs):
+            if id(optimizer) not in registered and self.in_step:
+                self._unregistered[id(optimizer)] = type(optimizer).__name__
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(any_step)
+        if faults.planned("forward", "backward", "allreduce"):
+            for module in self.reg.models:
+                module.register_forward_pre_hook(lambda *_: faults.fire("forward", self.step))
+                params = [p for p in module.parameters() if p.requires_grad]
+                if params:
+                    params[-1].register_hook(lambda g: (faults.fire("backward", self.step), g)[1])
+                    params[0].register_hook(lambda g: (faults.fire("allreduce", self.step), g)[1])
 
     def _make_pre_hook(self, index: int):
         def pre_hook(optimizer, args, kwargs):
-            ok, _ = undo.invertible(optimizer)
-            if ok:
+            stepped = self._stepped.get(index, 0)
+            self._stepped[index] = stepped + 1
+            if stepped:  # a second step of the same optimizer in one iteration: one record cannot undo both
+                self._records.setdefault(self.step, {})[index] = undo.StepRecord(
+                    id(optimizer), (), unavailable_reason="the optimizer stepped twice in one iteration")
+            elif undo.invertible(optimizer)[0]:
                 self._records.setdefault(self.step, {})[index] = undo.capture(optimizer, copy_grads=self.mode == "undo")
         return pre_hook
 
@@ -257,18 +390,21 @@ class Recovery:
     def _undoable(self) -> bool:
         step = self.position
         records = self._records.get(step)
-        if not records or step < 0:
+        if not records or step < 0 or (self.partial and self.tainted):
+            return False
+        if self.txn.snapshot(step) is None:
             return False
         # every record must be undoable before any is undone: a refusal half-way would leave a mixed state
-        return all(undo.undoable(self.reg.optimizers[i], record)[0] for i, record in records.items())
+        return all(undo.undoable(self.reg.optimizers[index], record)[0] for index, record in records.items())
 
     def _undo_last_update(self) -> None:
         step = self.position
         records = self._records.get(step, {})
         for index in sorted(records, reverse=True):
             undo.undo_step(self.reg.optimizers[index], records[index])
-        if step in self._small:
-            self.reg.restore_small_state(self._small[step])
+        snap = self.txn.snapshot(step)
+        assert snap is not None  # _undoable checked it
+        self.txn.restore(snap)
         self.completed, self.partial = step - 1, False
 
     # ------------------------------------------------------------------ helpers
@@ -285,14 +421,23 @@ class Recovery:
         base = self.generation if after is None else after
         return self.link.wait_for(lambda: self.link.generation > base, timeout=self._detect_timeout())
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in _warned:
+            return
+        _warned.add(key)
+        warn(message)
+
     def _detect_timeout(self) -> float:
-        return float(os.environ.get("SWIFTRUN_DETECT_TIMEOUT", "60"))
+        return _env_float("SWIFTRUN_DETECT_TIMEOUT", 60.0)
 
     def _recovery_timeout(self) -> float:
-        return float(os.environ.get("SWIFTRUN_RECOVERY_TIMEOUT", "300"))
+        # a survivor waits for RECOVER while a replacement runs the script's preamble (bounded by the
+        # launcher's --startup-timeout) and then for the recovery itself (--recovery-timeout); the launcher
+        # enforces both, this is only the backstop should the launcher stop answering
+        return _env_float("SWIFTRUN_STARTUP_TIMEOUT", 600.0) + _env_float("SWIFTRUN_RECOVERY_TIMEOUT", 120.0)
 
     def _connect_timeout(self) -> float:
-        return float(os.environ.get("SWIFTRUN_CONNECT_TIMEOUT", "30"))
+        return _env_float("SWIFTRUN_CONNECT_TIMEOUT", 30.0)
 
     # ------------------------------------------------------------------ the end
 
@@ -305,4 +450,24 @@ class Recovery:
         self.link.wait_for(lambda: self._command_for(CommandKind.RELEASE, gen) or self._aborted())
         if self._aborted():
             return self.recover()
+        self.released = True
+        self.step = total  # the script's tail: faults and messages name it as the step after the last one
+        self.link.step = total
         return None
+
+
+_warned: set[str] = set()
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, "") or default)
+    except ValueError:
+        return default
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, "") or default)
+    except ValueError:
+        return default

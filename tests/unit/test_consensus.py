@@ -131,10 +131,18 @@ def test_no_valid_rank_is_unrecoverable(mode):
         plan_recovery([new(0), new(1), RankStatus(2, False, 5, True, True)], mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failure_met_outside_a_step_asks_for_verification_at_the_next_step(mode):
+    tail = RankStatus(0, True, 5, boundary=True, undoable=False, outside_step=True)
+    assert plan_recovery([tail, at(1, 5), new(2)], mode).verify_next
+    assert not plan_recovery([at(0, 5), at(1, 5), new(2)], mode).verify_next
+
+
 # --- wire format ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [new(3), at(0, -1), at(1, 12, undoable=False), partial(7, 0), partial(2, 99)])
+@pytest.mark.parametrize("status", [new(3), at(0, -1), at(1, 12, undoable=False), partial(7, 0), partial(2, 99),
+                                    RankStatus(4, True, 3, True, False, outside_step=True)])
 def test_rank_status_pack_unpack_round_trip(status):
     row = status.pack()
 

@@ -1,0 +1,131 @@
+"""What a script registered with ``swiftrun.Run``, normalised, plus what swiftrun found that it did not register.
+
+A script may hand ``Run`` a DDP module, the module DDP wraps, a ``torch.compile``d DDP, or several of them (a
+GAN's generator and discriminator). Recovery needs two things from that: the plain modules whose parameters and
+buffers travel, and every DDP wrapper whose reducer must be rebound to the rebuilt process group. DDP wrappers
+the script did not pass are found in the process (a DDP wraps replicated state by definition), so registering
+the unwrapped module works the same as registering its DDP.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from swiftrun.errors import SwiftrunError
+
+
+class RegistrationError(SwiftrunError):
+    """``swiftrun.Run`` was given something recovery cannot handle exactly; the message says what to change."""
+
+
+def unwrap(model: Any) -> Any:
+    """Strip ``torch.compile``'s wrapper (OptimizedModule keeps the original in ``_orig_mod``)."""
+    while hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
+def plain(model: torch.nn.Module) -> torch.nn.Module:
+    model = unwrap(model)
+    return unwrap(model.module) if isinstance(model, DistributedDataParallel) else model
+
+
+@dataclass
+class Registry:
+    """Everything the script registered with swiftrun.Run, and the DDP wrappers to rebind."""
+
+    models: list[torch.nn.Module]  # plain modules (no DDP, no compile wrapper), in registration order
+    ddps: list[DistributedDataParallel]  # one per model that has a DDP wrapper, same order as ``models``
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any]
+    scaler: Any | None
+    user_state: Any | None
+    notes: list[str] = field(default_factory=list)  # what registration found and decided, for the user
+
+    @classmethod
+    def build(cls, model: Any, optimizers: list, schedulers: list, scaler: Any, user_state: Any) -> Registry:
+        given = [unwrap(m) for m in _as_list(model)]
+        for m in given:
+            if not isinstance(m, torch.nn.Module):
+                raise RegistrationError(f"swiftrun.Run(model=...) takes nn.Modules, got {type(m).__name__}")
+        models = [plain(m) for m in given]
+        if len({id(m) for m in models}) != len(models):
+            raise RegistrationError("swiftrun.Run(model=...) names the same module twice")
+        wrappers = {id(plain(d)): d for d in _live_ddps()}
+        for m in given:  # the wrappers the script passed win over any other wrapper of the same module
+            if isinstance(m, DistributedDataParallel):
+                wrappers[id(m.module)] = m
+        notes: list[str] = []
+        registered = {id(m) for m in models}
+        extra = [d for key, d in wrappers.items() if key not in registered and not _inside(plain(d), models)]
+        if extra:
+            # replicated by definition; register in a deterministic order (by structure), refusing ambiguity
+            keyed = sorted(((_signature(plain(d)), d) for d in extra), key=lambda kv: kv[0])
+            signatures = [k for k, _ in keyed]
+            if len(set(signatures)) != len(signatures):
+                raise RegistrationError(
+                    "this process has several DistributedDataParallel modules of the same structure that were not "
+                    "passed to swiftrun.Run; pass them all, in a fixed order: swiftrun.Run(model=[ddp_a, ddp_b], ...)")
+            for _, d in keyed:
+                models.append(plain(d))
+                notes.append(f"registered {type(plain(d)).__name__} (a DDP module not passed to swiftrun.Run)")
+        ddps = [wrappers[id(m)] for m in models if id(m) in wrappers]
+        return cls(models, ddps, list(optimizers), list(schedulers), scaler, user_state, notes)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for model in self.models for p in model.parameters()]
+
+    def user_state_dict(self) -> Any:
+        user = self.user_state
+        if user is None:
+            return None
+        if hasattr(user, "state_dict"):
+            return user.state_dict()
+        return dict(user)
+
+    def load_user_state(self, sd: Any) -> None:
+        user = self.user_state
+        if user is None or sd is None:
+            return
+        if hasattr(user, "load_state_dict"):
+            user.load_state_dict(sd)
+        else:
+            user.clear()
+            user.update(sd)
+
+    def clear_grads(self) -> None:
+        """Gradients of an aborted step are garbage (half accumulated); redo starts from none, like a fresh rank."""
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        for p in self.parameters():
+            p.grad = None
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _live_ddps() -> list[DistributedDataParallel]:
+    gc.collect()  # a wrapper the script dropped must not be registered
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]
+
+
+def _inside(module: torch.nn.Module, models: list[torch.nn.Module]) -> bool:
+    return any(module is sub for m in models for sub in m.modules())
+
+
+def _signature(module: torch.nn.Module) -> tuple:
+    return (type(module).__qualname__,
+            tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()))

@@ -1,0 +1,190 @@
+"""A training step as a transaction: what a step changes that cannot be inverted, saved at the step's start.
+
+After a recovery every rank that redoes step ``s`` must hold exactly the state it had when ``s`` began. The
+optimizer's own update is tracked precisely (it can be undone, or the state is taken from a rank that finished
+the step), but a step also changes things no inverse formula covers:
+
+- buffers its forward pass mutates: BatchNorm's running statistics and batch counter, spectral norm's ``u``/``v``,
+  any counter a module keeps (non-persistent buffers included). The kernels update them without bumping the
+  tensor's version counter (measured: BatchNorm's ``running_mean`` keeps ``_version`` 1 while it changes), so
+  "copy only what changed" cannot be decided cheaply: they are copied every step. They are tiny next to the
+  parameters (BatchNorm: 2 floats per channel);
+- the optimizer's param-group hyperparameters, which ``scheduler.step()`` writes (lr; OneCycle's momentum or
+  betas); restoring a scheduler's ``state_dict`` alone leaves them at the next step's values;
+- the schedulers' and the scaler's ``state_dict``, and the registered user state (an EMA model: one copy of its
+  tensors, the one real cost here, said in the README);
+- the RNG streams (Python, NumPy, torch, CUDA).
+
+:class:`StepSnapshot` holds all of that for one step. Copies are made into tensors allocated once and reused
+(``copy_``), so a step costs a memcpy of the buffers and user state and no allocation.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swiftrun.runtime.registry import Registry
+
+Tree = Any
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _Copier:
+    """Copies tensor leaves of a tree into buffers kept from the previous call (same path, shape, dtype)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def freeze(self, tree: Tree, path: str = "") -> Tree:
+        if isinstance(tree, torch.Tensor):
+            kept = self._buffers.get(path)
+            value = tree.detach()
+            if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != value.device:
+                kept = value.clone()
+                self._buffers[path] = kept
+            else:
+                kept.copy_(value)
+            return kept
+        if isinstance(tree, dict):
+            return {k: self.freeze(v, f"{path}.{k}") for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.freeze(v, f"{path}.{i}") for i, v in enumerate(tree))
+        return copy.deepcopy(tree)
+
+
+@dataclass
+class StepSnapshot:
+    step: int
+    buffers: list[dict[str, torch.Tensor]]  # per registered model: every buffer, by name
+    hyperparameters: list[list[dict[str, Any]]]  # per optimizer, per param group: everything but "params"
+    schedulers: list[Any]
+    scaler: Any
+    user: Any
+    rng: dict[str, Any]
+    param_versions: int  # sum of the parameters' version counters: moves when anything writes a parameter
+
+
+def param_versions(reg: Registry) -> int:
+    return sum(p._version for model in reg.models for p in model.parameters())
+
+
+class Transaction:
+    """Takes the snapshot of each step as it starts and puts it back when the step must be redone.
+
+    ``keep`` snapshots are kept (1 suffices to redo the step in progress; undo mode may also undo the step
+    before it). Each slot reuses its copy buffers, so the snapshot of step s overwrites that of step s-keep."""
+
+    def __init__(self, reg: Registry, keep: int = 1) -> None:
+        self.reg = reg
+        self._copiers = [_Copier() for _ in range(keep)]
+        self._snaps: list[StepSnapshot | None] = [None] * keep
+        self.current: StepSnapshot | None = None
+
+    def begin(self, step: int) -> StepSnapshot:
+        reg = self.reg
+        slot = step % len(self._copiers)
+        copier = self._copiers[slot]
+        with torch.no_grad():
+            snap = StepSnapshot(
+                step=step,
+                buffers=[copier.freeze(dict(model.named_buffers()), f"b{i}") for i, model in enumerate(reg.models)],
+                hyperparameters=[[copier.freeze(_group_settings(g), f"h{i}.{j}")
+                                  for j, g in enumerate(opt.param_groups)] for i, opt in enumerate(reg.optimizers)],
+                schedulers=[copy.deepcopy(s.state_dict()) for s in reg.schedulers],
+                scaler=copy.deepcopy(reg.scaler.state_dict()) if reg.scaler is not None else None,
+                user=copier.freeze(reg.user_state_dict(), "u") if reg.user_state is not None else None,
+                rng=rng_state(),
+                param_versions=param_versions(reg),
+            )
+        self._snaps[slot] = snap
+        self.current = snap
+        return snap
+
+    def snapshot(self, step: int) -> StepSnapshot | None:
+        """The snapshot taken when ``step`` began, if it is still kept."""
+        snap = self._snaps[step % len(self._snaps)] if step >= 0 else None
+        return snap if snap is not None and snap.step == step else None
+
+    def rng_for(self, step: int) -> dict[str, Any] | None:
+        snap = self.snapshot(step)
+        return snap.rng if snap is not None else None
+
+    def params_touched(self) -> bool:
+        """Whether something wrote the parameters since the step began (asked only when no optimizer
+        stepped, so the optimizer cannot be what moved the version counters)."""
+        return self.current is not None and param_versions(self.reg) != self.current.param_versions
+
+    def restore(self, snap: StepSnapshot) -> None:
+        """Put back everything the snapshot holds except the RNG (set by the recovery for the step to redo)."""
+        reg = self.reg
+        with torch.no_grad():
+            for model, saved in zip(reg.models, snap.buffers):
+                live = dict(model.named_buffers())
+                for name, value in saved.items():
+                    target = live.get(name)
+                    if target is not None and target.shape == value.shape and target.dtype == value.dtype:
+                        target.copy_(value)
+                    else:  # the step replaced the buffer object: put a copy of the old one back in its place
+                        _set_buffer(model, name, value.clone())
+            for opt, groups in zip(reg.optimizers, snap.hyperparameters):
+                for group, saved in zip(opt.param_groups, groups):
+                    for key, value in saved.items():
+                        if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                            group[key].copy_(value)  # a tensor lr may be shared with a compiled step
+                        else:
+                            group[key] = copy.deepcopy(value)
+        for sched, sd in zip(reg.schedulers, snap.schedulers):
+            sched.load_state_dict(copy.deepcopy(sd))
+        if reg.scaler is not None and snap.scaler is not None:
+            reg.scaler.load_state_dict(copy.deepcopy(snap.scaler))
+        if snap.user is not None:
+            reg.load_user_state(_clone_tree(snap.user))
+
+
+def _group_settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _clone_tree(tree: Tree) -> Tree:
+    """A private copy, so that loading it never aliases the snapshot's reused buffers."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone_tree(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def _set_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    owner._buffers[leaf] = value

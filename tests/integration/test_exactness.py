@@ -1,0 +1,138 @@
+"""Each way a recovery used to come out silently wrong, as its own regression test (tests/scripts/exactness.py).
+
+A faulty run must end with replicas bitwise equal to each other and equal to the failure-free run of the same
+configuration (bitwise; within 1e-6 relative when an update was undone, since an inverted update is exact only
+to a few ULP), with every param group's lr equal bitwise; or be refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import SCRIPTS, run, swiftrun_cmd
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+SCRIPT = str(SCRIPTS / "exactness.py")
+FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "6", "--no-dashboard"]
+
+
+def _launch(tmp: Path, marker: str, flags: tuple[str, ...], faults: tuple[str, ...] = (), world: int = 2,
+            launcher: tuple[str, ...] = ()):
+    save, events = tmp / "save", tmp / "events.jsonl"
+    cmd = swiftrun_cmd("--nproc-per-node", str(world), *FAST, "--event-log", str(events), *launcher,
+                       *[a for f in faults for a in ("--fault", f)], SCRIPT, "--save-dir", str(save), *flags)
+    return run(cmd, marker, timeout=240), save, events
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def get(flags: tuple[str, ...], world: int = 2) -> Path:
+        key = (flags, world)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("exact-ref")
+            proc, save, _ = _launch(out, "exactness-reference", flags, world=world)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[key] = save
+        return cache[key]
+
+    return get
+
+
+def _states(save: Path, world: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(save / f"rank{r}.pt") for r in range(world)]
+
+
+def _recoveries(events: Path) -> list[dict]:
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["event"] == "recovery_end"]
+
+
+def assert_exact(save: Path, reference: Path, events: Path, world: int = 2) -> None:
+    """Each rank's final state equals the same rank's failure-free state (buffers that DDP broadcasts from rank
+    0 and then updates with the local batch legitimately differ between ranks, so ranks are compared one by
+    one; what failure-free ranks share, parameters and optimizer state, must also be bitwise equal here)."""
+    states, expected = _states(save, world), _states(reference, world)
+    ended = _recoveries(events)
+    assert ended and all(e["outcome"] == "recovered" for e in ended), ended
+    undone = any(e.get("mode") == "undo" for e in ended)
+    for rank, (got_state, want_state) in enumerate(zip(states, expected)):
+        assert got_state.keys() == want_state.keys()
+        for key, value in want_state.items():
+            got = got_state[key]
+            if torch.equal(value, expected[0][key]):  # shared by the replicas in a failure-free run
+                assert torch.equal(got, states[0][key]), f"replica {rank} differs from rank 0 in {key}"
+            if ".lr" in key or ".momentum" in key or "buffer." in key or not undone:
+                assert torch.equal(got, value), f"rank {rank} {key}: {got} != {value}"
+            else:
+                scale = max(value.double().abs().max().item(), 1e-12)
+                diff = (got.double() - value.double()).abs().max().item() / scale
+                assert diff <= 1e-6, f"rank {rank} {key}: relative difference {diff} after an undo"
+
+
+CASES = {
+    # BatchNorm running stats + a non-persistent counter buffer, dropout, a DataLoader worker, OneCycle
+    "buffers-dropout-loader": (("--bn", "--dropout", "--loader-workers", "1", "--scheduler", "onecycle",
+                                "--optimizer", "sgd"), ("1:5:backward:sigkill",)),
+    # every rank applied the update, then a collective failed: undone, and redone with the same lr
+    "undo-keeps-the-lr": (("--bn", "--scheduler", "exponential", "--sync-loss", "--ema", "registered"),
+                          ("1:5:after-step:sigkill",)),
+    # the unwrapped module registered; DDP found and rebound
+    "unwrapped-module": (("--register", "module", "--bn"), ("0:4:forward:exception",)),
+    # two DDP modules and two optimizers (GAN-shaped)
+    "two-models": (("--two-models",), ("1:6:allreduce:sigkill",)),
+    # static graph, unused parameters, gradient as bucket view
+    "static-graph": (("--static-graph",), ("1:5:forward:sigkill",)),
+    "unused-bucket-view": (("--unused", "--bucket-view"), ("0:5:backward:sigkill",)),
+    # collectives after the guard: a metric all-reduce and a checkpoint barrier
+    "tail-collectives": (("--tail-allreduce", "--tail-barrier", "--bn"), ("1:7:collective:sigkill",)),
+    "dies-saving-a-checkpoint": (("--tail-barrier",), ("0:7:save:sigkill",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_recovery_is_exact(case, reference, tmp_path, marker):
+    flags, faults = CASES[case]
+    proc, save, events = _launch(tmp_path, marker, flags, faults)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_exact(save, reference(flags), events)
+
+
+def test_source_dying_mid_transfer_is_recovered_from_another_replica(reference, tmp_path, marker):
+    flags = ("--bn", "--two-models")
+    proc, save, events = _launch(tmp_path, marker, flags, ("2:5:forward:sigkill", "0:5:transfer:sigkill"), world=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_exact(save, reference(flags, world=3), events, world=3)
+    failed = [json.loads(line)["rank"] for line in events.read_text().splitlines() if '"worker_failed"' in line]
+    assert sorted(failed) == [0, 2]
+
+
+def test_unregistered_ema_is_caught_after_recovery(tmp_path, marker):
+    proc, _, events = _launch(tmp_path, marker, ("--ema", "unregistered"), ("1:5:forward:sigkill",))
+    assert proc.returncode != 0
+    assert "AveragedModel" in proc.stderr and "replicas differ" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_accumulation_across_iterations_is_refused_at_the_first_step(tmp_path, marker):
+    proc, _, _ = _launch(tmp_path, marker, ("--accumulate-across",))
+    assert proc.returncode == 1
+    assert "one iteration must hold a whole optimizer step" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_parameters_averaged_in_place_when_torn_are_never_a_source(reference, tmp_path, marker):
+    """Local-SGD averaging interrupted mid-way leaves no consistent replica: restart from scratch, exact."""
+    flags = ("--local-sgd",)
+    proc, save, events = _launch(tmp_path, marker, flags, ("1:5:collective:sigkill",),
+                                 launcher=("--max-restarts", "1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    states, expected = _states(save, 2), _states(reference(flags), 1)[0]
+    for key, value in expected.items():
+        assert torch.equal(states[0][key], value) and torch.equal(states[1][key], value), key
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    assert any(r["event"] == "restart" for r in records)

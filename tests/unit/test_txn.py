@@ -1,0 +1,135 @@
+"""A step is a transaction: what a step changes outside the optimizer update is put back exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from swiftrun.runtime.registry import Registry, RegistrationError, plain, unwrap
+from swiftrun.runtime.txn import Transaction
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _setup(user=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    model.register_buffer("calls", torch.zeros(()), persistent=False)  # a non-persistent counter
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.5}],
+                          lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=20)
+    reg = Registry.build(model, [opt], [sched], None, user)
+    return model, opt, sched, reg
+
+
+def _train_step(model, opt, sched):
+    opt.zero_grad()
+    model.calls += 1
+    model(torch.randn(16, 4)).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+
+
+def _everything(model, opt, sched):
+    out = {f"t.{k}": v.clone() for k, v in model.state_dict().items()}
+    out.update({f"b.{k}": v.clone() for k, v in model.named_buffers()})
+    out.update({f"lr{i}": torch.tensor(g["lr"]) for i, g in enumerate(opt.param_groups)})
+    out.update({f"mom{i}": torch.tensor(g["momentum"]) for i, g in enumerate(opt.param_groups)})
+    out["sched"] = torch.tensor(sched.last_epoch)
+    return out
+
+
+def test_restore_puts_back_buffers_hyperparameters_and_schedulers_a_step_changed():
+    model, opt, sched, reg = _setup()
+    for _ in range(3):
+        _train_step(model, opt, sched)
+    txn = Transaction(reg)
+    snap = txn.begin(3)
+    # only side effects are restored; parameters are the optimizer's business: snapshot them for the check
+    before = {k: v for k, v in _everything(model, opt, sched).items()}
+    params = [p.detach().clone() for p in model.parameters()]
+    _train_step(model, opt, sched)
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), params):
+            p.copy_(saved)
+    txn.restore(snap)
+    after = _everything(model, opt, sched)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_snapshots_reuse_their_buffers_and_keep_as_many_steps_as_asked():
+    model, opt, sched, reg = _setup()
+    txn = Transaction(reg, keep=2)
+    first = txn.begin(0)
+    _train_step(model, opt, sched)
+    second = txn.begin(1)
+    assert txn.snapshot(0) is first and txn.snapshot(1) is second
+    _train_step(model, opt, sched)
+    third = txn.begin(2)
+    assert txn.snapshot(0) is None and txn.snapshot(2) is third
+    assert third.buffers[0]["1.running_mean"].data_ptr() == first.buffers[0]["1.running_mean"].data_ptr()
+
+
+def test_rng_of_the_step_is_kept():
+    _, _, _, reg = _setup()
+    txn = Transaction(reg)
+    torch.manual_seed(5)
+    random.seed(5)
+    txn.begin(7)
+    expected = (torch.rand(3), random.random())
+    from swiftrun.runtime.txn import set_rng_state
+
+    set_rng_state(txn.rng_for(7))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert txn.rng_for(6) is None
+
+
+def test_user_state_dict_and_module_are_restored():
+    ema = torch.optim.swa_utils.AveragedModel(nn.Linear(3, 3))
+    model, opt, sched, reg = _setup(user=ema)
+    txn = Transaction(reg)
+    snap = txn.begin(0)
+    saved = {k: v.clone() for k, v in ema.state_dict().items()}
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(1.0)
+    txn.restore(snap)
+    assert all(torch.equal(saved[k], v) for k, v in ema.state_dict().items())
+
+    counters = {"seen": 3}
+    _, _, _, reg = _setup(user=counters)
+    txn = Transaction(reg)
+    snap = txn.begin(0)
+    counters["seen"] = 4
+    txn.restore(snap)
+    assert counters == {"seen": 3}
+
+
+def test_writes_to_parameters_outside_the_optimizer_are_noticed():
+    model, _, _, reg = _setup()
+    txn = Transaction(reg)
+    txn.begin(0)
+    assert not txn.params_touched()
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # e.g. an in-place all-reduce averaging the parameters
+    assert txn.params_touched()
+
+
+def test_registry_unwraps_compile_and_ddp_and_refuses_duplicates():
+    module = nn.Linear(2, 2)
+
+    class Wrapper(nn.Module):  # what torch.compile returns keeps the original in _orig_mod
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    assert unwrap(Wrapper(module)) is module
+    assert plain(Wrapper(module)) is module
+    with pytest.raises(RegistrationError, match="twice"):
+        Registry.build([module, Wrapper(module)], [], [], None, None)
+    with pytest.raises(RegistrationError, match="nn.Module"):
+        Registry.build("model", [], [], None, None)
