@@ -315,7 +315,7 @@ def broadcast_tree(
         _agree(problem, device, group)
         with torch.no_grad():
             for dest, value in inline_copies:
-                dest.copy_(value)
+                dest.detach().copy_(value)
         if stats is not None:
             stats.allocated = allocated
     if rank == src:
@@ -361,7 +361,7 @@ def _copy_piece(data: torch.Tensor, piece: Piece, tensor: torch.Tensor, spec: _S
     n = piece.stop - piece.start
     segment = data[piece.offset: piece.offset + n * _itemsize(spec.dtype)].view(spec.dtype)
     k = 0
-    for view in element_blocks(tensor, piece.start, piece.stop):
+    for view in element_blocks(tensor.detach(), piece.start, piece.stop):  # detach: Parameters are written too
         m = view.numel()
         part = segment[k: k + m].view(view.shape)
         if outgoing:
