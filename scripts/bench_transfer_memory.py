@@ -165,23 +165,13 @@ def flat_transfer(model, opt, rank, src, group, device):
 
 
 def chunk_transfer(model, opt, rank, src, group, device, chunk_bytes, survivor):
-    import torch
-
+    from swiftrun.runtime.destinations import destination_from, own_tensors
     from swiftrun.runtime.transfer import broadcast_tree
 
-    own = {}
-    if rank != src:
-        for name, t in model.state_dict().items():
-            own[("models", 0, name)] = t
-        if survivor:
-            ids = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-            for p, st in opt.state.items():
-                for key, value in st.items():
-                    if isinstance(value, torch.Tensor):
-                        own[("optimizers", 0, "state", ids[id(p)], key)] = value
+    own = own_tensors([model], [opt] if survivor else []) if rank != src else {}
     tree = {"models": [model.state_dict()], "optimizers": [opt.state_dict()]} if rank == src else None
     result = broadcast_tree(tree, src=src, group=group, device=device, chunk_bytes=chunk_bytes,
-                            destination=lambda path, shape, dtype, dev: own.get(path), rank=rank)
+                            destination=destination_from(own), rank=rank)
     if rank != src:
         opt.load_state_dict(result["optimizers"][0])  # same dtype and device: keeps the tensors, no copy
 

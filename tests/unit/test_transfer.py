@@ -369,3 +369,48 @@ def test_stats_and_header_are_small():
     assert len(pickle.dumps(header)) < 20_000
     specs = header["specs"]
     assert sum(s.numel * s.itemsize for s in specs) == 50 * 4000
+
+
+# --- a receiver's own tensors as destinations ------------------------------------------------------------------
+
+
+def _trained(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}])
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("survivor", [True, False])
+def test_install_into_own_model_and_optimizer(survivor):
+    from swiftrun.runtime.destinations import destination_from, own_tensors
+
+    src_model, src_opt = _trained(0)
+    tree = {"models": [src_model.state_dict()], "optimizers": [src_opt.state_dict()]}
+    if survivor:
+        model, opt = _trained(1)
+    else:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+        opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}])
+    own = own_tensors([model], [opt])
+    assert len(own) == len(model.state_dict()) + (3 * 4 if survivor else 0)
+    ptrs = {path: t.data_ptr() for path, t in own.items()}
+    result, _, allocated = loopback(tree, 48, destination_from(own))
+    opt.load_state_dict(result["optimizers"][0])
+    for (a, b) in zip(model.state_dict().values(), src_model.state_dict().values()):
+        assert same_bits(a, b)
+    from swiftrun.runtime.destinations import optimizer_params
+
+    for p, q in zip(optimizer_params(opt), optimizer_params(src_opt)):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert same_bits(opt.state[p][key], src_opt.state[q][key])
+    assert opt.param_groups[1]["lr"] == 0.5
+    if survivor:
+        assert allocated == []
+        for index, p in enumerate(optimizer_params(opt)):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[p][key].data_ptr() == ptrs[("optimizers", 0, "state", index, key)]
+    assert all(model.state_dict()[path[2]].data_ptr() == ptr for path, ptr in ptrs.items() if path[0] == "models")
