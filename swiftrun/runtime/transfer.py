@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from swiftrun.runtime.blocks import element_blocks
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20  # on a GPU: large messages amortise NCCL's per-collective latency
+DEFAULT_CPU_CHUNK_BYTES = 16 << 20  # gloo on the CPU: as fast as 64 MiB or faster, measured, at a quarter the memory
 MIN_CHUNK_BYTES = 16  # the largest element (complex128) must fit in a chunk
 FORMAT = 1
 
@@ -62,6 +63,10 @@ class TransferError(RuntimeError):
 def path_str(path: Path) -> str:
     """``("optimizers", 0, "state", 3, "exp_avg")`` -> ``"optimizers.0.state.3.exp_avg"``."""
     return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def default_chunk_bytes(device: torch.device | str) -> int:
+    return DEFAULT_CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else DEFAULT_CHUNK_BYTES
 
 
 def validate_chunk_bytes(chunk_bytes: Any) -> int:
@@ -272,7 +277,7 @@ def broadcast_tree(
     src: int,
     group: Any = None,
     device: torch.device | str = "cpu",
-    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     destination: Destination | None = None,
     on_chunk: Callable[[int], None] | None = None,
     rank: int | None = None,
@@ -282,7 +287,8 @@ def broadcast_tree(
 
     ``tree`` is read on ``src`` only (ignored elsewhere; pass None). ``device`` is where this rank's
     collectives want tensors (``cuda:<local>`` for NCCL, ``cpu`` for gloo). ``chunk_bytes`` is read on the
-    source and sent to the others (theirs is ignored). ``destination(path, shape, dtype, device)`` is called on
+    source and sent to the others (theirs is ignored); None picks :func:`default_chunk_bytes` for the source's
+    device (64 MiB on a GPU, 16 MiB on the CPU). ``destination(path, shape, dtype, device)`` is called on
     receivers for every tensor of the tree (streamed or inline) and may return a tensor of that shape and dtype
     (any device, any strides) to be written in place; None allocates a fresh one (``torch.empty`` on ``device``).
     ``on_chunk(index)`` runs on every member after chunk ``index`` was broadcast (and, on receivers, copied).
@@ -296,7 +302,7 @@ def broadcast_tree(
     sources: list[torch.Tensor] = []
     header: dict[str, Any] | None = None
     if rank == src:
-        header, sources = encode(tree, device, chunk_bytes)
+        header, sources = encode(tree, device, default_chunk_bytes(device) if chunk_bytes is None else chunk_bytes)
     box = [header]
     dist.broadcast_object_list(box, src=src, group=group, device=device if device.type != "cpu" else None)
     header = box[0]

@@ -41,7 +41,8 @@ def test_bitwise_delivery_in_place_and_digests(tmp_path, marker):
     procs, outs = run_world(tmp_path, marker, "deliver")
     for out in outs:
         assert out is not None and "error" not in out, out
-        assert out["deliver_bad"] == [] and out["unaligned_bad"] == []
+        assert out["deliver_bad"] == [] and out["unaligned_bad"] == [] and out["default_bad"] == []
+        assert out["default_chunk"] == [16 << 20, 1]
         assert out["chunks"] > 50 and out["chunk_indices_ok"]
         assert out["metadata"]
         assert out["agree"] == []

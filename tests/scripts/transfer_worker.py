@@ -148,6 +148,12 @@ def deliver(rank: int, out: dict) -> None:
     # chunks of 100 bytes (not a multiple of 8 or 16) over the whole group, nothing provided
     result = T.broadcast_tree(make_tree(9) if rank == 0 else None, src=0, device="cpu", chunk_bytes=100)
     out["unaligned_bad"] = check_equal(make_tree(9), result)
+    # the source's chunk size wins (its default here); the receivers' argument is ignored
+    stats = T.TransferStats()
+    result = T.broadcast_tree(make_tree(3) if rank == 1 else None, src=1, device="cpu",
+                              chunk_bytes=None if rank == 1 else 17, stats=stats)
+    out["default_bad"] = check_equal(make_tree(3), result)
+    out["default_chunk"] = [stats.chunk_bytes, stats.chunks]
 
 
 def refuse(rank: int, out: dict) -> None:

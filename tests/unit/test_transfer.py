@@ -166,6 +166,7 @@ def test_chunk_bytes_validation(bad):
 
 def test_default_chunk_size():
     assert T.validate_chunk_bytes(T.DEFAULT_CHUNK_BYTES) == 64 << 20
+    assert T.default_chunk_bytes("cpu") == 16 << 20 and T.default_chunk_bytes(torch.device("cuda", 1)) == 64 << 20
 
 
 # --- blocks ----------------------------------------------------------------------------------------------------
