@@ -15,12 +15,12 @@ float8, complex, int64: NaN payloads included) and non-contiguous tensors are re
 Peak extra memory on every member: one chunk buffer, plus, on receivers, the destinations the caller did not
 provide (which are the receiver's own state from then on). No flat copy of the state exists anywhere.
 
-Which leaves are streamed: strided (dense) tensors with more than one element on the CPU or on a device of the
-group's device type. Receivers place a streamed tensor on their own ``device`` when the source's copy was on
-the group's device type (``cuda:0`` on the source becomes ``cuda:<local>`` on a receiver) and on the CPU when it
-was on the CPU (a CPU tensor under NCCL is staged through the device buffer, not pickled). Everything else
-travels in the skeleton: 0-d and one-element tensors (Adam's ``step``), empty tensors, sparse, quantized and
-meta tensors, numpy arrays, and any object that is not a dict, list or tuple (a tensor inside an arbitrary
+Which leaves are streamed: strided (dense) tensors with more than one element, on any device. Receivers place
+a streamed tensor on their own ``device`` when the source's copy was on the group's device type (``cuda:0`` on
+the source becomes ``cuda:<local>`` on a receiver), on the CPU when it was on the CPU (a CPU tensor under NCCL
+is staged through the device buffer, not pickled), and on the current device of its type otherwise (a CUDA
+tensor under gloo is staged through the CPU buffer). Everything else travels in the skeleton: 0-d and
+one-element tensors (Adam's ``step``), empty tensors, sparse, quantized and meta tensors, numpy arrays, and any object that is not a dict, list or tuple (a tensor inside an arbitrary
 object is pickled with it). Inline tensors are cloned to the CPU for pickling (a view never drags its whole
 storage along) and restored on the receiver's ``device`` when they came from the group's device type.
 
@@ -171,13 +171,13 @@ def _streamable(t: torch.Tensor, device: torch.device) -> bool:
     return (
         t.layout == torch.strided
         and not t.is_quantized
-        and t.device.type in ("cpu", device.type)
+        and t.device.type != "meta"
         and t.numel() > 1
     )
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
 
 
 class _Splitter:

@@ -333,6 +333,9 @@ def test_tied_tensors_sent_once_and_stay_tied():
     assert len(sources) == 2
     result, _, allocated = loopback(tree, 64)
     assert result["enc"] is result["dec"] and result["other"] is not result["enc"]
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    header, sources = T.encode({"z": z, "zc": z.conj(), "zn": z.conj().imag}, CPU, 64)
+    assert len(sources) == 3  # same data_ptr, other values: never merged
     assert_tree_equal(tree, result)
     own_e, own_d = torch.zeros(8, 4), torch.zeros(8, 4)
     mine = {"enc": own_e, "dec": own_d}
