@@ -32,7 +32,6 @@ from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.process import ProcessRuntime
 from swiftrun.runtime.registry import Registry, RegistrationError
-from swiftrun.runtime.transfer import DEFAULT_CHUNK_BYTES
 from swiftrun.runtime.txn import Transaction, rng_state, set_rng_state
 
 log = logging.getLogger("swiftrun.runtime")
@@ -84,7 +83,8 @@ class Recovery:
         self.tainted = False  # a collective wrote registered state during the current step
         self.verify_next = False  # verify the whole state when the next step begins (set by consensus)
         self.verify_every = _env_int("SWIFTRUN_VERIFY_EVERY", 0)
-        self.chunk_bytes = _env_int("SWIFTRUN_TRANSFER_CHUNK_MB", DEFAULT_CHUNK_BYTES >> 20) << 20
+        # --transfer-chunk-mb; None: the transfer's default for the device (16 MiB on the CPU, 64 MiB on a GPU)
+        self.chunk_bytes = (_env_int("SWIFTRUN_TRANSFER_CHUNK_MB", 0) << 20) or None
         self._stepped: dict[int, int] = {}  # registered optimizer index -> steps taken in this iteration
         self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
         self._checked_first_step = False

@@ -14,6 +14,7 @@ import torch
 
 from swiftrun.runtime import ddp as ddp_tools
 from swiftrun.runtime import transfer as streaming
+from swiftrun.runtime.destinations import own_tensors
 from swiftrun.runtime.registry import Registry
 
 
@@ -34,26 +35,19 @@ def state_tree(reg: Registry) -> dict[str, Any]:
     }
 
 
-def destinations(reg: Registry) -> Callable[[tuple, tuple, torch.dtype, torch.device], torch.Tensor | None]:
+def destinations(reg: Registry) -> Callable[[tuple, Any, torch.dtype, torch.device], torch.Tensor | None]:
     """Where a receiver writes each incoming tensor: straight into its own parameters and buffers (no copy of
-    the model is ever held), and into existing optimizer state of the same shape; anything else is new."""
-    live_models = [model_tensors(m) for m in reg.models]
-    live_opts = [o.state_dict()["state"] for o in reg.optimizers]
+    the model is ever held) and into its existing optimizer state; anything else is allocated. A shape or dtype
+    that differs from the source's fails the transfer on every member with the entry named."""
+    own = own_tensors((), reg.optimizers)
+    for i, model in enumerate(reg.models):
+        own.update({("models", i, name): t for name, t in model_tensors(model).items()})
 
-    def resolve(path: tuple, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        found = None
-        if len(path) == 3 and path[0] == "models":
-            found = live_models[path[1]].get(path[2])
-            if found is None:
-                raise RuntimeError(f"the source has {path[2]!r} in model {path[1]}, this rank does not")
-        elif len(path) == 5 and path[0] == "optimizers" and path[2] == "state":
-            found = live_opts[path[1]].get(path[3], {}).get(path[4])
-        if found is None or tuple(found.shape) != tuple(shape) or found.dtype != dtype or found.device != device:
-            if path[0] == "models":
-                raise RuntimeError(f"model entry {path[2]!r} differs between replicas "
-                                   f"({tuple(found.shape)} {found.dtype} vs {tuple(shape)} {dtype})")
-            return None
-        return found
+    def resolve(path: tuple, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        if path[0] == "models" and path not in own:
+            raise RuntimeError(f"the source has {path[2]!r} in model {path[1]}, this rank does not: the replicas "
+                               "were built differently")
+        return own.get(path)
 
     return resolve
 
@@ -76,10 +70,11 @@ def install(reg: Registry, tree: dict[str, Any]) -> None:
     reg.load_user_state(tree["user"])
 
 
-def transfer(reg: Registry, source: int, rank: int, group: Any, device: torch.device, chunk_bytes: int,
+def transfer(reg: Registry, source: int, rank: int, group: Any, device: torch.device, chunk_bytes: int | None,
              on_chunk: Callable[[int], None] | None = None) -> None:
     """Broadcast the source's state over ``group`` in chunks of ``chunk_bytes`` and install it on every other
-    member. Peak extra memory on any member: one chunk (plus optimizer state a fresh replacement creates)."""
+    member (None: the default for the device). Peak extra memory on any member: one chunk (plus the optimizer
+    state a fresh replacement creates)."""
     tree = state_tree(reg) if rank == source else None
     received = streaming.broadcast_tree(tree, src=source, rank=rank, group=group, device=device,
                                         chunk_bytes=chunk_bytes, destination=None if rank == source else

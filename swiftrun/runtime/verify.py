@@ -134,16 +134,12 @@ def compare(reg: Registry) -> list[digest.Mismatch]:
     return digest.compare_across_ranks(mine)
 
 
-def describe(mismatches: list[digest.Mismatch], limit: int = 5) -> str:
-    parts = []
-    for m in mismatches[:limit]:
-        hint = ""
-        if m.path.startswith("unregistered"):
-            hint = " (not registered with swiftrun.Run, so its state did not travel: pass it as optimizer=, " \
-                   "scheduler=, scaler= or state=)"
-        parts.append(f"{m.path} differs on rank(s) {', '.join(map(str, m.odd_ranks))}{hint}")
-    more = f"; and {len(mismatches) - limit} more" if len(mismatches) > limit else ""
-    return "; ".join(parts) + more
+def describe(mismatches: list[digest.Mismatch]) -> str:
+    text = digest.describe(mismatches)
+    if any(m.path.startswith("unregistered") for m in mismatches):
+        text += (" -- an unregistered object's state does not travel to a replacement: pass it to swiftrun.Run "
+                 "as optimizer=, scheduler=, scaler= or state=")
+    return text
 
 
 def _digest_of(tree: Any) -> str:
