@@ -351,7 +351,16 @@ class Job:
         return actions
 
     def _recovery_laggards(self, now: float) -> list[tuple[Slot, ProcessFailure]]:
-        """Ranks past the deadline of what they are doing in the current recovery.
+        """Ranks past the deadline of what they are doing in the current recovery."""
+        out: list[tuple[Slot, ProcessFailure]] = []
+        for slot in self._rank_slots():
+            held = self._recovery_deadline_of(slot)
+            if held is not None and now >= held[0]:
+                out.append((slot, self._failure(slot, now, held[1])))
+        return out
+
+    def _recovery_deadline_of(self, slot: Slot) -> tuple[float, str] | None:
+        """The deadline ``slot`` is held to in the current recovery, and what missing it means; None if none.
 
         Each wait has the deadline of what it measures. A replacement runs the user's script from the top before
         it can join (imports, dataset, model: possibly minutes), so it has ``--startup-timeout`` from its spawn
@@ -360,26 +369,17 @@ class Job:
         ``--recovery-timeout`` to report RECOVERED.
         """
         rec = self.recovery
-        assert rec is not None
         t = self.config.timeouts
-        out: list[tuple[Slot, ProcessFailure]] = []
-        for slot in self._rank_slots():
-            if not slot.alive or self._slot_done_with_phase(slot):
-                continue
-            if rec.recover_sent_at is not None:
-                if now >= rec.deadline:
-                    out.append((slot, self._failure(
-                        slot, now, f"did not finish recovery {rec.generation} within {t.recovery_timeout:g}s")))
-            elif slot.replacement and not slot.joined:
-                if slot.join_deadline is not None and now >= slot.join_deadline:
-                    out.append((slot, self._failure(
-                        slot, now, f"replacement did not reach swiftrun.Run within the start-up timeout "
-                                   f"({t.startup_timeout:g}s)")))
-            elif now >= rec.deadline:
-                out.append((slot, self._failure(
-                    slot, now, f"did not answer the abort of recovery {rec.generation} within "
-                               f"{t.recovery_timeout:g}s")))
-        return out
+        if rec is None or not slot.alive or self._slot_done_with_phase(slot):
+            return None
+        if rec.recover_sent_at is not None:
+            return rec.deadline, f"did not finish recovery {rec.generation} within {t.recovery_timeout:g}s"
+        if slot.replacement and not slot.joined:
+            if slot.join_deadline is None:
+                return None
+            return slot.join_deadline, (f"replacement did not reach swiftrun.Run within the start-up timeout "
+                                        f"({t.startup_timeout:g}s)")
+        return rec.deadline, f"did not answer the abort of recovery {rec.generation} within {t.recovery_timeout:g}s"
 
     def _silence_limit(self, slot: Slot, now: float) -> float:
         """How long a worker may stay silent. During set-up (before its first reported step, and for at most
@@ -400,10 +400,12 @@ class Job:
         candidates = [now + max(t.heartbeat_interval, 0.05)]
         if self.stop_deadline is not None:
             candidates.append(self.stop_deadline)
-        if self.recovery:
-            candidates.append(self.recovery.deadline)
-            candidates += [s.join_deadline for s in self._rank_slots()
-                           if s.alive and s.replacement and not s.joined and s.join_deadline is not None]
+        # only the deadlines someone is still held to: survivors that answered and wait for a slow replacement
+        # leave the recovery's own deadline behind them, and a deadline in the past would make the loop spin
+        for slot in self._rank_slots() if self.recovery else ():
+            held = self._recovery_deadline_of(slot)
+            if held is not None:
+                candidates.append(held[0])
         return min(candidates)
 
     # ------------------------------------------------------------------ failures
