@@ -573,7 +573,7 @@ class Job:
         if self.recovery is None:
             self.recovery = Recovery(
                 generation=self.generation, failed_ranks=failed, cause=cause, failed_at=now - detect,
-                # the survivors' abort; replacements have their own start-up deadline (_recovery_laggards)
+                # the survivors' abort; replacements have their own start-up deadline (_recovery_deadline_of)
                 detect=detect, started_at=now, deadline=now + self.config.timeouts.recovery_timeout,
             )
             self.recovery.phase_duration[RecoveryPhase.DETECT] = detect
