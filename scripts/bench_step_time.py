@@ -6,7 +6,7 @@ and reads rank 0's ``train_dp: steps=N step_ms=X`` line (mean of the steady-stat
 first max(3, N/10) steps). Reports the median and spread per launcher and swiftrun's relative overhead
 (median swiftrun / median torchrun - 1), plus the wall time of each whole run (start-up and exit included).
 
-swiftrun runs with its defaults, i.e. one warm spare that starts once every rank is training and imports torch
+swiftrun runs with its defaults, i.e. one warm spare that starts with the workers and imports torch at idle priority
 while they train; --with-no-spare adds a third configuration (swiftrun --spares 0) to separate that cost.
 
     python scripts/bench_step_time.py                 # 5 x 300 steps per launcher, 4 ranks

@@ -491,6 +491,14 @@ def launch(
     max_recoveries: Annotated[
         int, _own("--max-recoveries", panel=SWIFT, help="In-place recoveries before failing.")
     ] = 16,
+    startup_restarts: Annotated[
+        int,
+        _own(
+            "--startup-restarts", panel=SWIFT,
+            help="Restarts of every worker after a signal or hang before all ranks reached swiftrun.Run "
+                 "(not counted in --max-restarts).",
+        ),
+    ] = 3,
     spares: Annotated[int, _own("--spares", panel=SWIFT, help="Warm spare workers kept ready to replace a rank.")] = 1,
     heartbeat_interval: Annotated[
         float, _own("--heartbeat-interval", panel=SWIFT, metavar="SECONDS", help="Worker heartbeat period.")
@@ -512,7 +520,7 @@ def launch(
         float,
         _own(
             "--startup-timeout", panel=SWIFT, metavar="SECONDS",
-            help="Deadline from spawn to a worker's first hello.",
+            help="Deadline of a worker's start: spawn to hello; a replacement's also to swiftrun.Run.",
         ),
     ] = 600.0,
     # Logs
@@ -639,6 +647,7 @@ def launch(
             ),
             recovery=recovery_mode,
             max_recoveries=max_recoveries,
+            startup_restarts=startup_restarts,
             spares=spares,
             dashboard=dashboard,
             event_log=event_log,

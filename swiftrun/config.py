@@ -101,8 +101,11 @@ class Timeouts:
     heartbeat_timeout: float = 30.0
     progress_timeout: float = 0.0  # 0: off; applies only to workers that report steps
     shutdown_timeout: float = 30.0  # SIGTERM -> SIGKILL grace
-    recovery_timeout: float = 120.0  # one Swift recovery, from detection to resume
-    startup_timeout: float = 600.0  # spawn -> HELLO (interpreter start, imports)
+    # one Swift recovery: survivors' abort, then (once every rank is ready) RECOVER -> RECOVERED
+    recovery_timeout: float = 120.0
+    # a worker's start: spawn -> HELLO (interpreter, imports); for a replacement also spawn/ASSIGN -> JOINING,
+    # since it runs the user's script from the top (which may load a dataset for minutes) before swiftrun.Run
+    startup_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "heartbeat_timeout", "shutdown_timeout", "recovery_timeout", "startup_timeout"):
@@ -151,6 +154,9 @@ class LaunchConfig:
     # swiftrun's own
     recovery: RecoveryMode = RecoveryMode.AUTO
     max_recoveries: int = 16
+    # restarts of every worker after an infrastructure failure (a signal, a hang) before every rank registered
+    # swiftrun.Run; they do not consume --max-restarts, since nothing of the job's own was lost yet
+    startup_restarts: int = 3
     spares: int = 1
     dashboard: bool | None = None  # None: on when stdout is a terminal
     event_log: Path | None = None
@@ -165,8 +171,8 @@ class LaunchConfig:
             raise ConfigError(f"--nnodes {lo}:{hi} must satisfy 0 < MIN <= MAX")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port")
-        if self.max_restarts < 0 or self.max_recoveries < 0 or self.spares < 0:
-            raise ConfigError("--max-restarts, --max-recoveries and --spares must be >= 0")
+        if self.max_restarts < 0 or self.max_recoveries < 0 or self.spares < 0 or self.startup_restarts < 0:
+            raise ConfigError("--max-restarts, --max-recoveries, --startup-restarts and --spares must be >= 0")
         if self.monitor_interval <= 0:
             raise ConfigError("--monitor-interval must be > 0")
         for name, per_rank in (("--redirects", self.redirects), ("--tee", self.tee)):

@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 class WorkerState(str, enum.Enum):
     """The life of one worker process (one incarnation of a rank).
 
-    STARTING until its runtime says HELLO (scripts run with --no-python skip straight to RUNNING);
+    STARTING while it starts: for a script that creates ``swiftrun.Run``, until it registered (importing torch,
+    building the model); for any other script, until its runtime says HELLO, since it never registers (a first
+    STATUS also ends it; --no-python executables skip straight to RUNNING);
     RUNNING while it trains; ABORTING once the launcher told it to abort and until it reports back;
     JOINING for a replacement on its way into the job; RECOVERING during the rebuild/consensus/transfer;
-    REPLAYING for pipeline-stage replay; RESTARTING while a restart-all tears it down;
+    REPLAYING for pipeline-stage replay; FINISHING once its training loop ended (held until RELEASE, then
+    saving and exiting); RESTARTING while a restart-all tears it down;
     STOPPING when the job is shutting down; EXITED (status 0) and FAILED are terminal.
     """
 
@@ -26,6 +29,7 @@ class WorkerState(str, enum.Enum):
     JOINING = "joining"
     RECOVERING = "recovering"
     REPLAYING = "replaying"
+    FINISHING = "finishing"
     RESTARTING = "restarting"
     STOPPING = "stopping"
     EXITED = "exited"

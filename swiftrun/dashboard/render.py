@@ -52,6 +52,7 @@ STATE_STYLES: dict[WorkerState, str] = {
     WorkerState.JOINING: "bright_cyan",
     WorkerState.RECOVERING: "bold yellow",
     WorkerState.REPLAYING: "magenta",
+    WorkerState.FINISHING: "bright_green",
     WorkerState.RESTARTING: "bold yellow",
     WorkerState.STOPPING: "dim",
     WorkerState.EXITED: "blue",
@@ -78,6 +79,7 @@ _STATE_SEVERITY: tuple[WorkerState, ...] = (
     WorkerState.JOINING,
     WorkerState.STARTING,
     WorkerState.STOPPING,
+    WorkerState.FINISHING,  # done training, waiting for the others: worth a row, never alarming
     WorkerState.EXITED,
     WorkerState.RUNNING,
 )

@@ -30,9 +30,10 @@ from swiftrun.dashboard.live import Dashboard
 from swiftrun.events import EventLog, EventName
 from swiftrun.launcher import envs, procs
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
-from swiftrun.launcher.failures import format_summary, read_error_file
+from swiftrun.launcher.failures import format_late_failures, format_summary, read_error_file
 from swiftrun.launcher.job import Job
 from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
+from swiftrun.launcher.script import uses_swiftrun
 from swiftrun.launcher.store import AgentStore
 from swiftrun.snapshot import JobSnapshot, PhaseView, RankView, RecoveryPhase, RecoveryView
 
@@ -73,7 +74,6 @@ class Agent:
         self.pump: LogPump | None = None
         self.job: Job | None = None
         self._reaped: set[int] = set()
-        self._spares_spawned = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,7 +108,8 @@ class Agent:
                 print(banner, file=sys.stderr)
             self.reporter.start()
             self._note(f"event log: {self.event_log_path}")
-            self.job = Job(self.config, time.monotonic(), wall_offset=time.time() - time.monotonic())
+            self.job = Job(self.config, time.monotonic(), wall_offset=time.time() - time.monotonic(),
+                           registers=uses_swiftrun(self.config.entrypoint))
             self.event_log.write(EventName.JOB_START, config=_config_dict(self.config), world_size=self.config.world_size,
                                  script=self.config.entrypoint.target, pid=os.getpid())
             self._execute(self.job.start(time.monotonic()))
@@ -319,12 +320,6 @@ class Agent:
         local_rank = None if action.rank is None else self._local(action.rank)
         if local_rank is not None:  # as torchrun: the folder of TORCHELASTIC_ERROR_FILE exists (torch's @record)
             Path(env["TORCHELASTIC_ERROR_FILE"]).parent.mkdir(parents=True, exist_ok=True)
-        if action.rank is None:
-            # the first spares warm up at normal priority (they must be ready early); replenished ones at idle
-            # priority, so that on a machine the workers saturate they do not slow training after a recovery
-            self._spares_spawned += 1
-            if self._spares_spawned > self.config.spares:
-                env["SWIFTRUN_SPARE_IDLE"] = "1"
         argv = procs.worker_argv(self.config, spare=action.rank is None)
         try:
             if self.plan.piped:
@@ -440,7 +435,8 @@ class Agent:
             self._publish(now, force=True)
             self.event_log.write(EventName.JOB_END, outcome="succeeded" if self.exit_code == 0 else "failed",
                                  exit_code=self.exit_code, duration=now - self.t0, failures=len(self.job.failures),
-                                 time_lost=self.job.time_lost)
+                                 time_lost=self.job.time_lost,
+                                 failures_after_release=len(self.job.late_failures))
         self.reporter.stop()
         self.event_log.close()
         if self.store is not None:
@@ -448,6 +444,9 @@ class Agent:
         shutil.rmtree(self._run_dir, ignore_errors=True)
         if self.job is not None and self.exit_code not in (0, None) and self.job.failures:
             print(format_summary(self.config.entrypoint.target, self.job.failures), file=sys.stderr, flush=True)
+        elif self.job is not None and self.exit_code == 0 and self.job.late_failures:
+            print(format_late_failures(self.config.entrypoint.target, self.config.world_size, self.job.late_failures),
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ helpers
 

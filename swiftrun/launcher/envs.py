@@ -22,6 +22,11 @@ GENERATION = "SWIFTRUN_GENERATION"  # recovery generation the process was starte
 JOINING = "SWIFTRUN_JOINING"  # "1" for a replacement that joins survivors instead of starting fresh
 SPARE = "SWIFTRUN_SPARE"  # "1" for a warm spare that waits for a rank
 HEARTBEAT_INTERVAL = "SWIFTRUN_HEARTBEAT_INTERVAL"
+# the launcher's deadlines, so that the runtime's own waits are derived from the same flags (and a user's
+# SWIFTRUN_<FLAG> variable, which already sets the flag, keeps meaning the same thing in the worker)
+HEARTBEAT_TIMEOUT = "SWIFTRUN_HEARTBEAT_TIMEOUT"  # silence after which the launcher declares a worker hung
+RECOVERY_TIMEOUT = "SWIFTRUN_RECOVERY_TIMEOUT"  # survivors' abort; and RECOVER -> RECOVERED once all are ready
+STARTUP_TIMEOUT = "SWIFTRUN_STARTUP_TIMEOUT"  # a replacement's spawn/ASSIGN -> JOINING (its script's preamble)
 FAULTS = "SWIFTRUN_FAULTS"  # ";"-joined FaultSpec encodings
 RECOVERY = "SWIFTRUN_RECOVERY"  # RecoveryMode value
 
@@ -102,6 +107,9 @@ def runtime_env(
         JOINING: "1" if joining else "0",
         SPARE: "1" if spare else "0",
         HEARTBEAT_INTERVAL: repr(config.timeouts.heartbeat_interval),
+        HEARTBEAT_TIMEOUT: repr(config.timeouts.heartbeat_timeout),
+        RECOVERY_TIMEOUT: repr(config.timeouts.recovery_timeout),
+        STARTUP_TIMEOUT: repr(config.timeouts.startup_timeout),
         RECOVERY: config.recovery.value,
     }
     if config.faults:

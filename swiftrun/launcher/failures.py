@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-__all__ = ["ProcessFailure", "root_cause", "format_summary", "write_error_file", "read_error_file"]
+__all__ = [
+    "ProcessFailure", "root_cause", "format_summary", "format_late_failures", "write_error_file", "read_error_file",
+]
 
 NOT_AVAILABLE = "<N/A>"
 NO_TRACEBACK_HINT = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
@@ -96,6 +98,27 @@ def format_summary(entrypoint: str, failures: list[ProcessFailure]) -> str:
     return "\n".join(
         [rule, title, section, "Failures:", others, section, "Root Cause (first observed failure):", blocks[0], rule]
     )
+
+
+def format_late_failures(entrypoint: str, world_size: int, failures: list[ProcessFailure]) -> str:
+    """The closing warning of a job that succeeded although ranks failed after training completed everywhere.
+
+    The exit status is 0 (the training finished on every rank), so this block is the only place that says a
+    rank's last act (saving its final file, exiting) went wrong: it must be impossible to miss.
+    """
+    if not failures:
+        raise ValueError("format_late_failures() needs at least one failure")
+    lines = [
+        f"WARNING: {entrypoint}: training completed on every rank ({world_size} of {world_size} finished and were "
+        f"released), but afterwards:",
+    ]
+    for failure in sorted(failures, key=lambda f: f.monotonic):
+        lines.append(f"  {failure.describe()}")
+        if failure.traceback:
+            lines.append("    " + failure.traceback.rstrip("\n").replace("\n", "\n    "))
+    lines.append("  Exit status 0: check that rank's final output (a checkpoint or file it wrote after training).")
+    rule = "!" * min(max(len(line) for line in lines), _SUMMARY_MAX_WIDTH)
+    return "\n".join([rule, *lines, rule])
 
 
 def _format_failure(idx: int, failure: ProcessFailure) -> str:

@@ -13,8 +13,14 @@ Failure handling, in order of preference:
 1. Swift in-place recovery (every rank created ``swiftrun.Run``, the job is not in restart mode, at least one
    replica survived, budget left): generation += 1, ABORT to survivors, a replacement per failed rank, RECOVER
    once everyone is ready, RESUME once everyone recovered. The barrier lives here, never in a collective.
-2. Restart of every worker (torchrun's behaviour) while ``--max-restarts`` allows, on a fresh store.
+2. Restart of every worker (torchrun's behaviour) while ``--max-restarts`` allows, on a fresh store. A failure
+   the infrastructure caused (a signal, a hang) before every rank registered ``swiftrun.Run`` restarts everyone
+   without touching that budget, ``--startup-restarts`` times at most: nothing of the job was lost yet.
 3. Stop, with the first failure as the root cause.
+
+A failure after RELEASE went to every rank (training finished everywhere; a rank crashed while saving or
+exiting) is not a job failure: the live ranks get ABORT so that no tail collective hangs on the dead peer, and
+the job ends with 0 and a loud warning once every worker is gone.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ LIVE = {
     WorkerState.JOINING,
     WorkerState.RECOVERING,
     WorkerState.REPLAYING,
+    WorkerState.FINISHING,
     WorkerState.RESTARTING,
     WorkerState.STOPPING,
 }
@@ -69,9 +76,12 @@ class Slot:
     last_seen: float = 0.0
     registered: bool = False  # created swiftrun.Run
     replacement: bool = False  # joining survivors; holds no state of its own until its recovery completes
+    joined: bool = False  # a replacement that reported JOINING once: from then on it waits like a survivor
+    join_deadline: float | None = None  # a replacement must report JOINING by then (its script's preamble)
     ready_gen: int = -1  # generation this slot reported ABORTED/JOINING for
     recovered_gen: int = -1
     finishing: bool = False
+    failed_after_release: bool = False  # failed once training had completed on every rank: not a job failure
     step: int | None = None
     step_changed_at: float = 0.0
     loss: float | None = None
@@ -109,13 +119,21 @@ class Recovery:
 class Job:
     """The supervisor state machine of one node. Feed it events; carry out what it returns."""
 
-    def __init__(self, config: LaunchConfig, now: float, wall_offset: float = 0.0) -> None:
+    def __init__(self, config: LaunchConfig, now: float, wall_offset: float = 0.0, registers: bool = False) -> None:
         self.config = config
         self.wall_offset = wall_offset  # time.time() - time.monotonic(), for the failure summary's timestamps
+        # Whether the script is expected to create swiftrun.Run: the agent reads the script, and the first
+        # REGISTERED proves it. It decides what "started" means for a rank (registered, or said HELLO), whether
+        # a failure before every rank registered is a start-up failure, and whether spares start with the job.
+        self.registers = registers
         self.state = JobState.STARTING
         self.started_at = now
         self.generation = 0
-        self.attempt = 0  # torchrun's restart count
+        self.attempt = 0  # torchrun's restart count: every restart of all workers, whatever its cause
+        self.restarts_used = 0  # restarts counted against --max-restarts
+        self.startup_restarts_used = 0  # restarts after a start-up failure (--startup-restarts)
+        self.released = False  # RELEASE went to every rank this attempt: training finished everywhere
+        self.late_failures: list[ProcessFailure] = []  # failures after RELEASE: warnings, not job failures
         self.recoveries_used = 0
         self.slots: dict[int, Slot] = {}
         self.rank_slot: dict[int, int] = {}
@@ -166,9 +184,11 @@ class Job:
         slot.last_seen = now
         if slot.rank is None or slot.state is not WorkerState.STARTING:
             return []
-        # a replacement joins survivors; an original worker starts running
-        state = WorkerState.JOINING if slot.replacement and self.recovery else WorkerState.RUNNING
-        return self._set_state(slot, state, now) + self._advance_recovery(now)
+        if slot.replacement and self.recovery:
+            return self._set_state(slot, WorkerState.JOINING, now) + self._advance_recovery(now)
+        if self._expects_registration():
+            return []  # still importing and building its model: it is running once it registered
+        return self._set_state(slot, WorkerState.RUNNING, now)
 
     def on_alive(self, slot_id: int, now: float, step: int | None = None) -> list[Action]:
         slot = self.slots[slot_id]
@@ -186,6 +206,9 @@ class Job:
         if isinstance(step_time, (int, float)):
             slot.step_time = float(step_time)
         slot.metrics.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        if slot.rank is not None and slot.state is WorkerState.STARTING and slot.hello and not slot.replacement:
+            # it reports progress without having registered (swiftrun.report alone): it is running
+            return self._set_state(slot, WorkerState.RUNNING, now)
         return []
 
     def on_event(self, slot_id: int, gen: int, kind: EventKind, data: dict[str, Any], now: float) -> list[Action]:
@@ -198,12 +221,18 @@ class Job:
             return []
         if kind is EventKind.REGISTERED:
             slot.registered = True
-            return self._maybe_start_swift(now)
+            self.registers = True
+            actions: list[Action] = []
+            if slot.state is WorkerState.STARTING:
+                actions += self._set_state(slot, WorkerState.RUNNING, now)
+            return actions + self._maybe_start_swift(now)
         if kind in (EventKind.ABORTED, EventKind.JOINING):
             if gen < self.generation:
                 # it answered an older round: tell it about the current one
                 return [self._command(slot, CommandKind.ABORT, {})]
             slot.ready_gen = gen
+            if kind is EventKind.JOINING:
+                slot.joined = True
             return self._advance_recovery(now)
         if kind is EventKind.RECOVERED:
             if gen == self.generation:
@@ -215,7 +244,10 @@ class Job:
             return self._escalate(now, f"rank {slot.rank}: {reason}")
         if kind is EventKind.FINISHING:
             slot.finishing = True
-            return self._maybe_release(now)
+            actions = []
+            if slot.state is WorkerState.RUNNING:
+                actions += self._set_state(slot, WorkerState.FINISHING, now)
+            return actions + self._maybe_release(now)
         return []
 
     def on_ack(self, slot_id: int, cmd_id: int, now: float) -> list[Action]:
@@ -243,6 +275,8 @@ class Job:
             actions = self._set_state(slot, WorkerState.EXITED, now)
             return actions + self._maybe_finish(now)
         failure = self._failure(slot, now, cause, exitcode=returncode, error_file=error_file)
+        if self.released:
+            return self._on_late_failure(slot, failure, now)
         return self._on_failures([(slot, failure)], now, detect=0.0)
 
     def on_signal(self, signum: int, now: float) -> list[Action]:
@@ -303,20 +337,49 @@ class Job:
                 hung.append((slot, self._failure(slot, now, cause)))
         if spare_lost:
             actions += self._replenish_spares(now)
+        if hung and self.released:
+            for slot, failure in hung:
+                actions += self._on_late_failure(slot, failure, now)
+            return actions
         if hung:
             detect = max(now - s.last_seen for s, _ in hung)
             actions += self._on_failures(hung, now, detect=min(detect, t.heartbeat_timeout))
-        rec = self.recovery
-        if rec and now >= rec.deadline:
-            laggards = [s for s in self._rank_slots() if s.alive and not self._slot_done_with_phase(s)]
+        if self.recovery:
+            laggards = self._recovery_laggards(now)
             if laggards:
-                failures = [
-                    (s, self._failure(s, now, f"did not finish recovery {rec.generation} within "
-                                              f"{t.recovery_timeout:g}s"))
-                    for s in laggards
-                ]
-                actions += self._on_failures(failures, now, detect=0.0)
+                actions += self._on_failures(laggards, now, detect=0.0)
         return actions
+
+    def _recovery_laggards(self, now: float) -> list[tuple[Slot, ProcessFailure]]:
+        """Ranks past the deadline of what they are doing in the current recovery."""
+        out: list[tuple[Slot, ProcessFailure]] = []
+        for slot in self._rank_slots():
+            held = self._recovery_deadline_of(slot)
+            if held is not None and now >= held[0]:
+                out.append((slot, self._failure(slot, now, held[1])))
+        return out
+
+    def _recovery_deadline_of(self, slot: Slot) -> tuple[float, str] | None:
+        """The deadline ``slot`` is held to in the current recovery, and what missing it means; None if none.
+
+        Each wait has the deadline of what it measures. A replacement runs the user's script from the top before
+        it can join (imports, dataset, model: possibly minutes), so it has ``--startup-timeout`` from its spawn
+        or ASSIGN to report JOINING. Survivors have ``--recovery-timeout`` to answer the abort; once they have,
+        waiting for a slow replacement is not lagging. Once RECOVER went out, every rank has
+        ``--recovery-timeout`` to report RECOVERED.
+        """
+        rec = self.recovery
+        t = self.config.timeouts
+        if rec is None or not slot.alive or self._slot_done_with_phase(slot):
+            return None
+        if rec.recover_sent_at is not None:
+            return rec.deadline, f"did not finish recovery {rec.generation} within {t.recovery_timeout:g}s"
+        if slot.replacement and not slot.joined:
+            if slot.join_deadline is None:
+                return None
+            return slot.join_deadline, (f"replacement did not reach swiftrun.Run within the start-up timeout "
+                                        f"({t.startup_timeout:g}s)")
+        return rec.deadline, f"did not answer the abort of recovery {rec.generation} within {t.recovery_timeout:g}s"
 
     def _silence_limit(self, slot: Slot, now: float) -> float:
         """How long a worker may stay silent. During set-up (before its first reported step, and for at most
@@ -337,8 +400,12 @@ class Job:
         candidates = [now + max(t.heartbeat_interval, 0.05)]
         if self.stop_deadline is not None:
             candidates.append(self.stop_deadline)
-        if self.recovery:
-            candidates.append(self.recovery.deadline)
+        # only the deadlines someone is still held to: survivors that answered and wait for a slow replacement
+        # leave the recovery's own deadline behind them, and a deadline in the past would make the loop spin
+        for slot in self._rank_slots() if self.recovery else ():
+            held = self._recovery_deadline_of(slot)
+            if held is not None:
+                candidates.append(held[0])
         return min(candidates)
 
     # ------------------------------------------------------------------ failures
@@ -376,7 +443,76 @@ class Job:
         cause = "; ".join(f.cause or f.describe() for _, f in failed)
         if self._can_recover_in_place():
             return actions + self._begin_recovery([s.rank for s, _ in failed], cause, now, detect)
+        if self._is_startup_failure([f for _, f in failed]):
+            return actions + self._restart_after_startup_failure(now, cause)
         return actions + self._escalate(now, cause)
+
+    def _expects_registration(self) -> bool:
+        """Whether every rank will register swiftrun.Run: a script that creates it, in a world with replicas
+        (Run stays inert in a one-process world), run by the Python runtime (not --no-python)."""
+        return (
+            self.registers
+            and self.config.world_size >= 2
+            and self.config.entrypoint.kind.value != "executable"
+        )
+
+    def _is_startup_failure(self, failed: list[ProcessFailure]) -> bool:
+        """A failure the infrastructure caused while the job was still starting, with start-up restarts left.
+
+        Starting: not every rank registered swiftrun.Run this attempt, so no step was trained and a restart of
+        every worker loses nothing. Infrastructure: killed by a signal (SIGKILL from the OOM killer, SIGSEGV,
+        ...) or hung, which the launcher ends with SIGKILL, and no Python traceback: a script that raises
+        (FAILED with a traceback, exit 1) or exits non-zero made its own error, and must still fail fast.
+        Only a swift job of a script that registers: for anything else no rank ever registers, so there would
+        be no end to "starting", and torchrun's behaviour is kept.
+        """
+        if (
+            not self.config.swift
+            or not self._expects_registration()
+            or self.swift_started
+            or self.startup_restarts_used >= self.config.startup_restarts
+        ):
+            return False
+        return all(f.exitcode < 0 and f.traceback is None for f in failed)
+
+    def _restart_after_startup_failure(self, now: float, cause: str) -> list[Action]:
+        self.startup_restarts_used += 1
+        n, budget = self.startup_restarts_used, self.config.startup_restarts
+        reason = f"start-up failure (before every rank reached swiftrun.Run): {cause}"
+        return self._restart_all(now, [
+            Note(f"restarting every worker after a start-up failure (start-up restart {n} of {budget}, "
+                 f"not counted in --max-restarts): {cause}"),
+            Record(EventName.RESTART, {"attempt": self.attempt + 1, "reason": reason, "startup": True,
+                                       "startup_restart": n, "startup_restarts": budget}),
+        ])
+
+    def _on_late_failure(self, slot: Slot, failure: ProcessFailure, now: float) -> list[Action]:
+        """A rank failed after RELEASE went to every rank: training is complete, so this is a warning.
+
+        The live ranks get ABORT in a new generation: their process group is shut down, so a tail collective
+        (a barrier after saving) fails at once instead of hanging on the dead peer, and the runtime turns that
+        into a warning. No replacement, no recovery: there is nothing left to train.
+        """
+        self.failures.append(failure)
+        self.late_failures.append(failure)
+        slot.failed_after_release = True
+        how = failure.describe()
+        actions: list[Action] = self._set_state(slot, WorkerState.FAILED, now)
+        actions.append(Kill(slot.slot_id, signal.SIGKILL))  # a hung one is still there
+        actions.append(Record(EventName.WORKER_FAILED, {
+            "rank": slot.rank, "incarnation": slot.incarnation, "pid": slot.pid,
+            "cause": failure.cause or how, "exitcode": failure.exitcode, "signal": failure.signal_name(),
+            "traceback": failure.traceback, "after_release": True,
+        }))
+        actions.append(Note(
+            f"WARNING: training had completed on every rank; afterwards {how}. Not a job failure: the other "
+            f"ranks' process group is shut down so they do not wait for it"
+        ))
+        self.generation += 1
+        for other in self._rank_slots():
+            if other.alive and other.hello:
+                actions.append(self._command(other, CommandKind.ABORT, {"after_release": True}))
+        return actions + self._maybe_finish(now)
 
     def _can_recover_in_place(self) -> bool:
         if self.config.recovery is RecoveryMode.RESTART or not self.swift_started:
@@ -385,7 +521,7 @@ class Job:
             return False
         ranks = self._rank_slots()
         if any(s.state is WorkerState.EXITED for s in ranks):
-            return False  # some ranks already left: there is no group to repair
+            return False  # some ranks already left: there is no group to repair (after RELEASE: not needed)
         # a replica must survive: replacements still joining hold no state to copy from
         return any(s.alive and not s.replacement for s in ranks)
 
@@ -393,19 +529,24 @@ class Job:
         """In-place recovery is not possible: restart everything if allowed, else stop."""
         if self.recovery:
             self._close_recovery(now, outcome="escalated")
-        if self.attempt < self.config.max_restarts:
-            self.state = JobState.RESTARTING
-            self._restart_pending = True
-            actions: list[Action] = [
-                Note(f"restarting every worker (restart {self.attempt + 1} of {self.config.max_restarts}): {cause}"),
+        if self.restarts_used < self.config.max_restarts:
+            self.restarts_used += 1
+            return self._restart_all(now, [
+                Note(f"restarting every worker (restart {self.restarts_used} of {self.config.max_restarts}): "
+                     f"{cause}"),
                 Record(EventName.RESTART, {"attempt": self.attempt + 1, "reason": cause}),
-            ]
-            actions += self._signal_live(signal.SIGTERM, now, WorkerState.RESTARTING)
-            self.stop_deadline = now + self.config.timeouts.shutdown_timeout
-            self._restart_started = now
-            return actions + self._maybe_finish(now)
+            ])
         budget = "no restarts allowed (--max-restarts 0)" if not self.config.max_restarts else "restart budget spent"
         return [Note(f"stopping the job: {budget}")] + self._stop_all(now, 1)
+
+    def _restart_all(self, now: float, announce: list[Action]) -> list[Action]:
+        """Stop every worker (spares too); :meth:`_restart` starts them again on a fresh store once all are gone."""
+        self.state = JobState.RESTARTING
+        self._restart_pending = True
+        actions = announce + self._signal_live(signal.SIGTERM, now, WorkerState.RESTARTING)
+        self.stop_deadline = now + self.config.timeouts.shutdown_timeout
+        self._restart_started = now
+        return actions + self._maybe_finish(now)
 
     def _stop_all(self, now: float, exit_code: int, forward: int = signal.SIGTERM) -> list[Action]:
         self.state = JobState.STOPPING
@@ -432,6 +573,7 @@ class Job:
         if self.recovery is None:
             self.recovery = Recovery(
                 generation=self.generation, failed_ranks=failed, cause=cause, failed_at=now - detect,
+                # the survivors' abort; replacements have their own start-up deadline (_recovery_deadline_of)
                 detect=detect, started_at=now, deadline=now + self.config.timeouts.recovery_timeout,
             )
             self.recovery.phase_duration[RecoveryPhase.DETECT] = detect
@@ -503,6 +645,7 @@ class Job:
                 actions += self._end_phase(RecoveryPhase.SPAWN, now)
             if all(s.ready_gen == self.generation and s.hello for s in ranks):
                 rec.recover_sent_at = now
+                rec.deadline = now + self.config.timeouts.recovery_timeout  # RECOVER -> RECOVERED
                 args = {"world_size": self.config.world_size, "replaced": list(rec.failed_ranks)}
                 for slot in ranks:
                     actions.append(self._command(slot, CommandKind.RECOVER, args))
@@ -581,6 +724,7 @@ class Job:
         ranks = self._rank_slots()
         if self.state is not JobState.RUNNING or not ranks or not all(s.finishing for s in ranks):
             return []
+        self.released = True
         return [self._command(s, CommandKind.RELEASE, {}) for s in ranks]
 
     def _maybe_finish(self, now: float) -> list[Action]:
@@ -588,7 +732,8 @@ class Job:
         if self.state is JobState.RESTARTING and self._restart_pending and not any(s.rank is not None for s in live):
             return self._restart(now)
         ranks = self._rank_slots()
-        if self.state is JobState.RUNNING and ranks and all(s.state is WorkerState.EXITED for s in ranks):
+        done = [s.state is WorkerState.EXITED or s.failed_after_release for s in ranks]
+        if self.state is JobState.RUNNING and ranks and all(done):
             self.state = JobState.STOPPING
             self.exit_code = 0
             actions: list[Action] = [Kill(s.slot_id, signal.SIGTERM) for s in live]
@@ -611,6 +756,7 @@ class Job:
         self.stop_deadline = None
         self.attempt += 1
         self.swift_started = False
+        self.released = False
         self.time_lost += now - self._restart_started
         actions: list[Action] = [ResetStore(self.attempt)]
         for rank in range(self.config.world_size):
@@ -625,6 +771,8 @@ class Job:
             spare.rank = rank
             spare.incarnation = incarnation
             spare.replacement = True
+            spare.joined = False
+            spare.join_deadline = now + self.config.timeouts.startup_timeout  # runs the script from the top
             spare.state = WorkerState.STARTING
             self.rank_slot[rank] = spare.slot_id
             # the spare said HELLO already; it joins as soon as it runs the script
@@ -634,6 +782,8 @@ class Job:
             ]
         slot = self._new_slot(rank, incarnation, now)
         slot.replacement = joining
+        if joining:
+            slot.join_deadline = now + self.config.timeouts.startup_timeout
         self.rank_slot[rank] = slot.slot_id
         return [Spawn(slot.slot_id, rank, incarnation, self.generation, self.attempt, joining)]
 
@@ -647,7 +797,10 @@ class Job:
     def _replenish_spares(self, now: float) -> list[Action]:
         if (
             not self.config.swift
-            or not self.swift_started  # spares only serve in-place recovery, and must not slow the start-up
+            # spares only serve in-place recovery, so only a script that registers swiftrun.Run gets them; they
+            # start with the job (a failure in the first steps finds one warm) and warm up at idle priority,
+            # so they cost the job's start nothing
+            or not (self._expects_registration() or self.swift_started)
             or self.config.entrypoint.kind.value == "executable"
             or self.state in (JobState.STOPPING, JobState.RESTARTING)
             or self.state.terminal

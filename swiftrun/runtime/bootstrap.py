@@ -77,8 +77,9 @@ def _wait_for_rank(link: Link) -> None:
     import threading
 
     main = threading.main_thread().native_id
-    if os.environ.get("SWIFTRUN_SPARE_IDLE") == "1":  # a replenished spare: training runs, do not slow it
-        _set_idle_priority(main, idle=True)  # this thread only: the link thread keeps heartbeating normally
+    # Spares start with the job and are replenished while it trains: warming up must never slow the workers
+    # (their imports at start-up, their steps later). This thread only: the link thread keeps heartbeating.
+    _set_idle_priority(main, idle=True)
     link.on_assign = lambda: _set_idle_priority(main, idle=False)  # a rank is needed now: full speed
     try:
         _warm_torch()

@@ -1,8 +1,14 @@
-"""What the launcher told this worker process through its environment (names in swiftrun/launcher/envs.py)."""
+"""What the launcher told this worker process through its environment (names in swiftrun/launcher/envs.py).
+
+The launcher passes its deadlines (--heartbeat-timeout, --recovery-timeout, --startup-timeout) so that the
+runtime's own waits follow the same flags instead of constants; :class:`WorkerEnv` derives those waits once.
+SWIFTRUN_DETECT_TIMEOUT and SWIFTRUN_CONNECT_TIMEOUT, when set, still override the derived values.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -25,10 +31,25 @@ class WorkerEnv:
     heartbeat_interval: float
     faults: str
     recovery: str
+    heartbeat_timeout: float = 30.0
+    recovery_timeout: float = 120.0
+    startup_timeout: float = 600.0
+    # How long a rank whose collective failed waits for the launcher's ABORT: a crash is seen at once, a hang
+    # after the heartbeat timeout (plus the kill); past this, the failure is the script's own.
+    detect_wait: float = 60.0
+    # How long a rank that reported ABORTED/JOINING waits for RECOVER: the launcher sends it once every rank is
+    # ready, and a replacement may run its script's preamble for up to the start-up timeout first; a later
+    # failure arrives as a newer generation, so this is only a backstop against a launcher that went away.
+    recover_wait: float = 750.0
+    # Building a generation's process group: a peer that dies meanwhile is aborted by the launcher anyway.
+    connect_wait: float = 30.0
 
     @classmethod
     def read(cls) -> WorkerEnv:
         env = os.environ
+        heartbeat = _seconds(env, "SWIFTRUN_HEARTBEAT_TIMEOUT", 30.0)
+        recovery = _seconds(env, "SWIFTRUN_RECOVERY_TIMEOUT", 120.0)
+        startup = _seconds(env, "SWIFTRUN_STARTUP_TIMEOUT", 600.0)
         return cls(
             ctl_addr=env.get("SWIFTRUN_CTL_ADDR", ""),
             token=env.get("SWIFTRUN_TOKEN", ""),
@@ -42,4 +63,19 @@ class WorkerEnv:
             heartbeat_interval=float(env.get("SWIFTRUN_HEARTBEAT_INTERVAL", "0.5") or 0.5),
             faults=env.get("SWIFTRUN_FAULTS", ""),
             recovery=env.get("SWIFTRUN_RECOVERY", "auto"),
+            heartbeat_timeout=heartbeat,
+            recovery_timeout=recovery,
+            startup_timeout=startup,
+            detect_wait=_seconds(env, "SWIFTRUN_DETECT_TIMEOUT", heartbeat + 30.0),
+            recover_wait=startup + recovery + heartbeat,
+            connect_wait=_seconds(env, "SWIFTRUN_CONNECT_TIMEOUT", min(30.0, recovery)),
         )
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration from the environment; unset, empty or malformed gives ``default`` (never crash a worker)."""
+    try:
+        value = float(env.get(name, "") or default)
+    except ValueError:
+        return default
+    return value if value > 0 else default

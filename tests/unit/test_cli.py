@@ -97,6 +97,7 @@ FLAG_CASES = [
     (["--recovery", "undo"], "SWIFTRUN_RECOVERY", "undo"),
     (["--max-recoveries", "2"], "SWIFTRUN_MAX_RECOVERIES", "2"),
     (["--spares", "0"], "SWIFTRUN_SPARES", "0"),
+    (["--startup-restarts", "0"], "SWIFTRUN_STARTUP_RESTARTS", "0"),
     (["--no-dashboard"], "SWIFTRUN_DASHBOARD", "0"),
     (["--event-log", "ev.jsonl"], "SWIFTRUN_EVENT_LOG", "ev.jsonl"),
     (["--fault", "0:3:step:sigkill"], "SWIFTRUN_FAULT", "0:3:step:sigkill"),
@@ -153,6 +154,7 @@ def test_defaults_are_torchruns(launched) -> None:
     assert config.redirects == () and config.tee == () and config.local_ranks_filter is None
     assert config.timeouts.shutdown_timeout == 30.0 and config.log_dir is None and config.local_addr is None
     assert (config.recovery, config.max_recoveries, config.spares, config.dashboard) == (RecoveryMode.AUTO, 16, 1, None)
+    assert config.startup_restarts == 3
     assert config.faults == () and config.python == "" and config.event_log is None
 
 
@@ -332,13 +334,14 @@ def test_swiftrun_flags_build_the_config(launched, tmp_path) -> None:
         "--nproc-per-node", "2", "--heartbeat-interval", "1", "--heartbeat-timeout", "10", "--progress-timeout", "20",
         "--recovery-timeout", "40", "--startup-timeout", "50", "--recovery", "roll-forward", "--max-recoveries", "3",
         "--spares", "2", "--dashboard", "--event-log", "ev.jsonl", "--fault", "0:3:step:sigkill",
-        "--fault", "1:5:allreduce:exception:every", "--python", "/opt/py", "train.py",
+        "--fault", "1:5:allreduce:exception:every", "--python", "/opt/py", "--startup-restarts", "5", "train.py",
     ]  # fmt: skip
     config = config_of(launched, args)
     t = config.timeouts
     assert (t.heartbeat_interval, t.heartbeat_timeout, t.progress_timeout) == (1, 10, 20)
     assert (t.recovery_timeout, t.startup_timeout) == (40, 50)
     assert (config.recovery, config.max_recoveries, config.spares) == (RecoveryMode.ROLL_FORWARD, 3, 2)
+    assert config.startup_restarts == 5
     assert config.dashboard is True
     assert config.event_log == Path("ev.jsonl") and config.python == "/opt/py"
     assert config.faults == (FaultSpec(0, 3, "step", "sigkill"), FaultSpec(1, 5, "allreduce", "exception", True))

@@ -96,6 +96,7 @@ def test_only_restart_mode_is_not_swift(mode):
         ({"max_restarts": -1}, "--max-restarts"),
         ({"max_recoveries": -1}, "--max-recoveries"),
         ({"spares": -1}, "--spares"),
+        ({"startup_restarts": -1}, "--startup-restarts"),
         ({"monitor_interval": 0}, "--monitor-interval"),
         ({"nproc_per_node": 2, "redirects": (Std.ALL,)}, "--redirects"),
         ({"nproc_per_node": 2, "tee": (Std.OUT, Std.ERR, Std.NONE)}, "--tee"),
@@ -110,6 +111,7 @@ def test_invalid_launch_config_names_the_flag(kwargs, flag):
 
 def test_boundary_values_are_accepted():
     c = config(nproc_per_node=2, nnodes=(1, 3), master_port=0, max_restarts=0, max_recoveries=0, spares=0,
+               startup_restarts=0,
                redirects=(Std.OUT, Std.ALL), tee=(Std.NONE, Std.ERR), local_ranks_filter=frozenset({0, 1}))
     assert c.master_port == 0 and c.std_redirect(1) is Std.ALL and c.std_tee(1) is Std.ERR
     assert config(master_port=65535).master_port == 65535

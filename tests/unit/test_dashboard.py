@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from swiftrun.dashboard.live import Dashboard, PlainReporter, make_reporter, rank_ranges
-from swiftrun.dashboard.render import render
+from swiftrun.dashboard.render import notable_ranks, render
 from swiftrun.snapshot import (
     JobSnapshot,
     JobState,
@@ -146,6 +146,24 @@ def test_three_ranks_shows_header_and_one_row_per_rank() -> None:
     assert row_of(text, 1).split() == ["1", "1", "10001", "running", "1201", "2.25", "123.4", "3.5s", "2"]
 
 
+def test_finishing_and_starting_ranks_show_their_state() -> None:
+    ranks = [healthy_rank(rank, step=99) for rank in range(3)]
+    ranks[0] = dataclasses.replace(ranks[0], state=WorkerState.FINISHING)
+    ranks[2] = dataclasses.replace(ranks[2], state=WorkerState.STARTING, step=None)
+    text = rendered(snapshot(ranks))
+
+    assert listed_ranks(text) == {0: "finishing", 1: "running", 2: "starting"}
+
+
+def test_folded_view_lists_finishing_ranks_after_the_alarming_ones() -> None:
+    ranks = [dataclasses.replace(healthy_rank(rank), state=WorkerState.FINISHING) for rank in range(64)]
+    ranks[7] = dataclasses.replace(ranks[7], state=WorkerState.FAILED)
+    listed, _ = notable_ranks(ranks)
+
+    assert [n.rank.rank for n in listed][:2] == [7, 0]
+    assert listed[1].reasons == ("finishing",)
+
+
 def test_tokens_per_second_is_labelled_as_tokens() -> None:
     ranks = [dataclasses.replace(healthy_rank(0), metrics={"tokens_per_s": 9000.0})]
     assert "9,000 tokens/s" in rendered(snapshot(ranks, samples_per_s=9000.0))
@@ -258,6 +276,10 @@ def test_plain_reporter_prints_state_changes_once() -> None:
     failed = dataclasses.replace(running, ranks=tuple(ranks))
     reporter.update(failed)
     assert plain_lines(out)[4:] == ["[swiftrun] rank 2 running -> failed"]
+
+    ranks[0] = dataclasses.replace(ranks[0], state=WorkerState.FINISHING)
+    reporter.update(dataclasses.replace(running, ranks=tuple(ranks)))
+    assert plain_lines(out)[5:] == ["[swiftrun] rank 0 running -> finishing"]
 
 
 def test_plain_reporter_reports_recovery_phases_as_they_complete() -> None:

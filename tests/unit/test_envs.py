@@ -144,7 +144,8 @@ def test_without_virtual_local_rank_visible_devices_pass_through_untouched(monke
 
 def test_worker_environ_inherits_the_launcher_environment_and_adds_torchrun_and_swiftrun_variables(monkeypatch):
     monkeypatch.setenv("SWIFTRUN_TEST_INHERITED", "yes")
-    c = config(nproc_per_node=2, recovery=RecoveryMode.UNDO, timeouts=Timeouts(heartbeat_interval=0.25),
+    c = config(nproc_per_node=2, recovery=RecoveryMode.UNDO,
+               timeouts=Timeouts(heartbeat_interval=0.25, heartbeat_timeout=7, recovery_timeout=40, startup_timeout=90),
                faults=(FaultSpec(1, 3, "step", "sigkill"), FaultSpec(0, 5, "forward", "exit", True)))
 
     env = envs.worker_environ(c, ENDS, 1, attempt=1, incarnation=2, generation=3, joining=True)
@@ -159,6 +160,7 @@ def test_worker_environ_inherits_the_launcher_environment_and_adds_torchrun_and_
     assert env[envs.JOINING] == "1"
     assert env[envs.SPARE] == "0"
     assert float(env[envs.HEARTBEAT_INTERVAL]) == 0.25
+    assert (env[envs.HEARTBEAT_TIMEOUT], env[envs.RECOVERY_TIMEOUT], env[envs.STARTUP_TIMEOUT]) == ("7", "40", "90")
     assert env[envs.RECOVERY] == "undo"
     assert env[envs.FAULTS] == "1:3:step:sigkill;0:5:forward:exit:every"
     assert env[envs.LAUNCHER_PID].isdigit()
@@ -188,3 +190,22 @@ def test_the_launcher_environment_is_not_modified():
     envs.worker_environ(config(nproc_per_node=2, virtual_local_rank=True), ENDS, 1, attempt=0, incarnation=0,
                         generation=0, joining=False)
     assert dict(os.environ) == before
+
+
+def test_the_runtime_reads_the_launchers_deadlines_and_derives_its_waits_from_them(monkeypatch):
+    from swiftrun.runtime.env import WorkerEnv
+
+    c = config(nproc_per_node=2, timeouts=Timeouts(heartbeat_timeout=8, recovery_timeout=40, startup_timeout=90))
+    env = envs.worker_environ(c, ENDS, 1, attempt=0, incarnation=0, generation=0, joining=False)
+    for name in ("SWIFTRUN_DETECT_TIMEOUT", "SWIFTRUN_CONNECT_TIMEOUT"):
+        env.pop(name, None)
+    monkeypatch.setattr(os, "environ", env)
+
+    w = WorkerEnv.read()
+
+    assert (w.heartbeat_timeout, w.recovery_timeout, w.startup_timeout) == (8, 40, 90)
+    assert w.detect_wait == 8 + 30  # the launcher detects a hang within the heartbeat timeout
+    assert w.recover_wait == 90 + 40 + 8  # a replacement may take its whole start-up before RECOVER
+    assert w.connect_wait == 30
+    env["SWIFTRUN_DETECT_TIMEOUT"], env["SWIFTRUN_CONNECT_TIMEOUT"] = "5", "7"  # the old knobs still win
+    assert (WorkerEnv.read().detect_wait, WorkerEnv.read().connect_wait) == (5, 7)

@@ -17,6 +17,7 @@ import pytest
 from swiftrun.launcher.failures import (
     NO_TRACEBACK_HINT,
     ProcessFailure,
+    format_late_failures,
     format_summary,
     read_error_file,
     root_cause,
@@ -250,3 +251,26 @@ def test_torch_error_handler_reads_what_we_write(tmp_path: Path) -> None:
     assert torch_failure.message["message"] == "ValueError: bad"
     assert torch_failure.message["extraInfo"]["py_callstack"].endswith("ValueError: bad\n")
     assert abs(torch_failure.timestamp - time.time()) < 60
+
+
+# --- failures after training completed ------------------------------------------------------------------------
+
+
+def test_late_failures_warning_says_training_completed_and_who_failed_how() -> None:
+    text = format_late_failures("train.py", 4, [
+        failure(2, 1, 5.0, traceback="Traceback (most recent call last):\nOSError: disk full\n"),
+        failure(1, -signal.SIGKILL, 3.0),
+    ])
+    lines = text.splitlines()
+
+    assert set(lines[0]) == {"!"} and set(lines[-1]) == {"!"}
+    assert "training completed on every rank (4 of 4 finished and were released)" in lines[1]
+    assert lines[2] == "  rank 1 (local_rank 1) killed by SIGKILL (pid 1001)"  # first observed first
+    assert lines[3] == "  rank 2 (local_rank 2) exited with code 1 (pid 1002)"
+    assert "    OSError: disk full" in lines
+    assert "Exit status 0" in text
+
+
+def test_late_failures_warning_needs_a_failure() -> None:
+    with pytest.raises(ValueError):
+        format_late_failures("train.py", 2, [])

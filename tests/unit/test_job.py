@@ -41,10 +41,10 @@ def _no_dns(monkeypatch):
 class Sim:
     """A Job, a fake monotonic clock and the log of every action; one method per thing the agent feeds in."""
 
-    def __init__(self, nproc: int = 2, t0: float = 100.0, **config: Any) -> None:
+    def __init__(self, nproc: int = 2, t0: float = 100.0, registers: bool = False, **config: Any) -> None:
         self.now = t0
         self.config = LaunchConfig(entrypoint=SCRIPT, nproc_per_node=nproc, **config)
-        self.job = Job(self.config, self.now)
+        self.job = Job(self.config, self.now, registers=registers)
         self.log: list[Action] = []
 
     # what the agent does with an answer: carry it out, plus the records produced outside the answer
@@ -131,9 +131,17 @@ def phases(actions: list[Action]) -> list[str]:
     return [r.fields["phase"] for r in records(actions, EventName.RECOVERY_PHASE)]
 
 
-def running(nproc: int = 2, **config: Any) -> Sim:
-    """Every rank spawned and said HELLO; an unmodified script (nobody registered swiftrun.Run)."""
-    sim = Sim(nproc, **config)
+def running(nproc: int = 2, registers: bool = False, **config: Any) -> Sim:
+    """Every rank spawned and said HELLO; by default an unmodified script (nobody registered swiftrun.Run)."""
+    sim = Sim(nproc, registers=registers, **config)
+    sim.boot(sim.start())
+    return sim
+
+
+def booting(nproc: int = 3, **config: Any) -> Sim:
+    """A script that creates swiftrun.Run (the agent read it): every rank said HELLO, none registered yet;
+    the warm spares started with the job and said HELLO too."""
+    sim = Sim(nproc, registers=True, **config)
     sim.boot(sim.start())
     return sim
 
@@ -914,7 +922,8 @@ def test_the_recovery_deadline_kills_a_survivor_that_never_aborted_and_replaces_
     actions = sim.tick()
 
     assert kills(actions, SIGKILL) == [Kill(2, SIGKILL)]
-    assert "did not finish recovery 1 within 60s" in records(actions, EventName.WORKER_FAILED)[0].fields["cause"]
+    cause = records(actions, EventName.WORKER_FAILED)[0].fields["cause"]
+    assert "did not answer the abort of recovery 1 within 60s" in cause
     assert sim.job.generation == 2
     assert [(s.rank, s.incarnation, s.joining) for s in of(actions, Spawn)] == [(2, 1, True)]
     assert sim.job.recovery.deadline == sim.now + 60
@@ -1018,3 +1027,384 @@ def test_a_spare_that_never_says_hello_is_killed_and_replaced():
 
     assert Kill(spare, SIGKILL) in actions
     assert [(s.rank, s.joining) for s in of(actions, Spawn)] == [(None, False)]
+
+
+# --- the lifecycle of a rank: starting, running, finishing -----------------------------------------------------
+
+
+def test_a_rank_of_a_script_that_registers_is_starting_until_it_registered():
+    sim = booting(2, spares=0)
+    assert [sim.state(s) for s in sim.rank_slots()] == [WorkerState.STARTING] * 2  # HELLO said, still importing
+
+    actions = sim.event(0, EventKind.REGISTERED)
+
+    assert sim.state(0) is WorkerState.RUNNING and sim.state(1) is WorkerState.STARTING
+    assert records(actions, EventName.WORKER_STATE)[0].fields["state"] == "running"
+
+
+def test_a_rank_that_reports_progress_without_registering_is_running():
+    sim = booting(2, spares=0)  # e.g. a script that only calls swiftrun.report()
+    sim._take(sim.job.on_status(1, sim.now, 3, 0.5, 0.1, {}))
+    assert sim.state(1) is WorkerState.RUNNING
+
+
+def test_a_one_process_job_is_running_at_hello_since_run_stays_inert_there():
+    sim = booting(1)
+    assert sim.state(0) is WorkerState.RUNNING
+    assert sim.spares() == []  # nothing to recover in place: no spare
+
+
+def test_a_rank_that_finished_its_loop_is_finishing_until_it_exits():
+    sim = swift_running(2, spares=0)
+
+    actions = sim.event(0, EventKind.FINISHING)
+
+    assert sim.state(0) is WorkerState.FINISHING and sim.state(1) is WorkerState.RUNNING
+    assert records(actions, EventName.WORKER_STATE)[0].fields == {
+        "rank": 0, "incarnation": 0, "pid": 1000, "state": "finishing", "previous": "running"}
+    sim.event(1, EventKind.FINISHING)
+    assert sim.state(1) is WorkerState.FINISHING  # released: saving and exiting
+    sim.exit(0, 0)
+    assert sim.state(0) is WorkerState.EXITED
+
+
+def test_a_finishing_rank_becomes_aborting_when_a_peer_fails_before_release():
+    sim = swift_running(3, spares=0)
+    sim.event(0, EventKind.FINISHING)
+
+    actions = sim.exit(1, -SIGKILL)
+
+    assert sim.job.state is JobState.RECOVERING and sim.state(0) is WorkerState.ABORTING
+    assert of(actions, Spawn)  # a replacement: the failure came before RELEASE
+
+
+# --- warm spares from the start --------------------------------------------------------------------------------
+
+
+def test_the_spares_of_a_script_that_registers_start_with_the_workers():
+    sim = Sim(3, registers=True, spares=2)
+
+    actions = sim.start()
+
+    assert of(actions, Spawn) == [Spawn(i, i, 0, 0, 0, False) for i in range(3)] + [
+        Spawn(3, None, 0, 0, 0, False), Spawn(4, None, 0, 0, 0, False)]
+    sim.boot(actions)
+    started = []
+    for slot_id in sim.rank_slots():
+        started += sim.event(slot_id, EventKind.REGISTERED)
+    assert of(started, Spawn) == []  # START brings up no more: they are there already
+
+
+@pytest.mark.parametrize("config", [{"recovery": RecoveryMode.RESTART}, {"spares": 0}])
+def test_no_spare_at_start_in_restart_mode_or_with_spares_zero(config):
+    sim = Sim(3, registers=True, **config)
+    assert [s.rank for s in of(sim.start(), Spawn)] == [0, 1, 2]
+
+
+def test_a_spare_that_warmed_up_during_start_up_replaces_a_rank_failing_in_the_first_step():
+    sim = booting(3, spares=1)
+    (spare,) = sim.spares()
+    for slot_id in sim.rank_slots():
+        sim.event(slot_id, EventKind.REGISTERED)
+
+    actions = sim.exit(1, -SIGKILL)
+
+    assert of(actions, Assign) == [Assign(spare, 1, 1, 1, 0)]
+
+
+def test_spares_are_stopped_by_a_start_up_restart_and_started_again_with_the_new_attempt():
+    sim = booting(2, spares=1)
+    (spare,) = sim.spares()
+
+    actions = sim.exit(1, -SIGKILL)
+    assert Kill(spare, SIGTERM) in kills(actions)
+    sim.exit(spare, -SIGTERM)
+    restarted = sim.exit(0, -SIGTERM)
+
+    assert [(s.rank, s.attempt) for s in of(restarted, Spawn)] == [(0, 1), (1, 1), (None, 1)]
+    assert sim.job.spare_failures == 0
+
+
+# --- a failure while the job starts ----------------------------------------------------------------------------
+
+
+def _startup_restart(sim: Sim, failed_slot: int, rc: int) -> list[Action]:
+    """``failed_slot`` fails with ``rc``; the others are stopped; returns every action up to the new attempt (or
+    the end of the job)."""
+    actions = sim.exit(failed_slot, rc)
+    for slot in list(sim.job.slots.values()):
+        if slot.alive and slot.state in (WorkerState.RESTARTING, WorkerState.STOPPING):
+            actions += sim.exit(slot.slot_id, -SIGTERM)
+    return actions
+
+
+def test_a_rank_killed_by_a_signal_before_every_rank_registered_restarts_everyone_without_using_max_restarts():
+    sim = booting(3, spares=0)
+    sim.event(0, EventKind.REGISTERED)
+
+    first = sim.exit(1, -SIGKILL)
+
+    assert sim.job.state is JobState.RESTARTING
+    assert sorted(k.slot_id for k in kills(first, SIGTERM)) == [0, 2]
+    (restart,) = records(first, EventName.RESTART)
+    assert restart.fields["attempt"] == 1 and restart.fields["startup"] is True
+    assert (restart.fields["startup_restart"], restart.fields["startup_restarts"]) == (1, 3)
+    assert "start-up failure" in restart.fields["reason"] and "SIGKILL" in restart.fields["reason"]
+    assert any("start-up restart 1 of 3" in n.text and "not counted in --max-restarts" in n.text
+               for n in of(first, Note))
+    sim.exit(0, -SIGTERM)
+    restarted = sim.exit(2, -SIGTERM)
+
+    assert of(restarted, ResetStore) == [ResetStore(1)]
+    assert [(s.rank, s.attempt, s.joining) for s in of(restarted, Spawn)] == [(0, 1, False), (1, 1, False),
+                                                                               (2, 1, False)]
+    assert (sim.job.attempt, sim.job.restarts_used, sim.job.startup_restarts_used) == (1, 0, 1)
+    assert sim.job.state is JobState.RUNNING
+
+
+@pytest.mark.parametrize("rc", [-signal.SIGSEGV, -signal.SIGBUS, -SIGKILL])
+def test_any_death_by_signal_during_start_up_is_an_infrastructure_failure(rc):
+    sim = booting(2, spares=0)
+    _startup_restart(sim, 0, rc)
+    assert sim.job.attempt == 1 and sim.job.state is JobState.RUNNING
+
+
+def test_a_rank_stopped_during_start_up_is_hung_and_restarts_everyone():
+    sim = booting(2, spares=0, timeouts=FAST)
+    sim.advance(FAST.heartbeat_timeout + 0.1)
+    sim.alive(0)
+
+    actions = sim.tick(stopped=frozenset({1}))
+
+    assert kills(actions, SIGKILL) == [Kill(1, SIGKILL)]
+    assert records(actions, EventName.RESTART)[0].fields["startup"] is True
+
+
+def test_start_up_restarts_are_bounded_then_max_restarts_then_the_job_stops():
+    sim = booting(2, spares=0, startup_restarts=2, max_restarts=1)
+    reasons = []
+    for _ in range(3):
+        actions = _startup_restart(sim, sim.slot(1), -SIGKILL)
+        reasons += [r.fields for r in records(actions, EventName.RESTART)]
+        sim.boot(actions)
+    assert [r.get("startup", False) for r in reasons] == [True, True, False]  # the third one uses --max-restarts
+    assert (sim.job.startup_restarts_used, sim.job.restarts_used, sim.job.attempt) == (2, 1, 3)
+
+    actions = _startup_restart(sim, sim.slot(1), -SIGKILL)
+
+    assert any("restart budget spent" in n.text for n in of(actions, Note))
+    assert finishes(actions) == [1]
+    assert [f.exitcode for f in sim.job.failures] == [-SIGKILL] * 4
+
+
+def test_a_script_raising_during_start_up_fails_fast():
+    sim = booting(2, spares=1)
+    sim.event(1, EventKind.FAILED, traceback="Traceback ...\nImportError: no module named x\n")
+
+    actions = _startup_restart(sim, 1, 1)
+
+    assert records(actions, EventName.RESTART) == []
+    assert finishes(actions) == [1]
+    assert "ImportError" in (sim.job.failures[0].traceback or "")
+
+
+@pytest.mark.parametrize("rc", [1, 3, 127])
+def test_a_plain_non_zero_exit_during_start_up_is_the_scripts_own_and_fails_fast(rc):
+    sim = booting(2, spares=0)
+    assert finishes(_startup_restart(sim, 1, rc)) == [1]
+
+
+def test_a_start_up_kill_of_a_script_that_never_registers_keeps_torchruns_behaviour():
+    sim = running(2)  # an unmodified torchrun script: no start-up window, or it would never end
+    assert finishes(_startup_restart(sim, 1, -SIGKILL)) == [1]
+
+
+def test_a_start_up_kill_in_restart_mode_keeps_torchruns_behaviour():
+    sim = booting(2, spares=0, recovery=RecoveryMode.RESTART)
+    assert finishes(_startup_restart(sim, 1, -SIGKILL)) == [1]
+
+
+def test_with_startup_restarts_zero_a_start_up_kill_uses_max_restarts():
+    sim = booting(2, spares=0, startup_restarts=0, max_restarts=1)
+    actions = _startup_restart(sim, 1, -SIGKILL)
+    assert records(actions, EventName.RESTART)[0].fields.get("startup") is None
+    assert sim.job.restarts_used == 1
+
+
+def test_once_every_rank_registered_a_kill_is_recovered_in_place_not_restarted():
+    sim = booting(3, spares=0)
+    for slot_id in sim.rank_slots():
+        sim.event(slot_id, EventKind.REGISTERED)
+
+    sim.exit(1, -SIGKILL)
+
+    assert sim.job.state is JobState.RECOVERING and sim.job.startup_restarts_used == 0
+
+
+def test_a_registration_teaches_the_job_that_the_script_registers():
+    sim = running(2, spares=0)  # the agent did not recognise it (swiftrun imported by a helper module)
+    assert not sim.job.registers
+    sim.event(0, EventKind.REGISTERED)
+    assert sim.job.registers  # the next attempts start their ranks as "starting" and their spares at once
+
+
+# --- a failure after training finished on every rank -----------------------------------------------------------
+
+
+def _released(nproc: int = 3, **config: Any) -> Sim:
+    sim = swift_running(nproc, **config)
+    released = []
+    for slot_id in sim.rank_slots():
+        released += sim.event(slot_id, EventKind.FINISHING)
+    assert len(sends(released, CommandKind.RELEASE)) == nproc and sim.job.released
+    return sim
+
+
+def test_a_rank_killed_after_release_aborts_the_others_and_the_job_still_succeeds():
+    sim = _released(3, spares=1)
+    (spare,) = sim.spares()
+
+    actions = sim.exit(1, -SIGKILL)
+
+    assert of(actions, Spawn) == [] and of(actions, Assign) == []  # nothing left to train: no replacement
+    assert sim.job.recovery is None and sim.job.state is JobState.RUNNING
+    aborts = sends(actions, CommandKind.ABORT)
+    assert [(a.slot_id, a.generation) for a in aborts] == [(0, 1), (2, 1)]
+    assert sends(actions, CommandKind.RECOVER) == []
+    (failed,) = records(actions, EventName.WORKER_FAILED)
+    assert failed.fields["after_release"] is True and failed.fields["signal"] == "SIGKILL"
+    (note,) = of(actions, Note)
+    assert note.text.startswith("WARNING: training had completed on every rank") and "rank 1" in note.text
+
+    assert finishes(sim.exit(0, 0)) == []
+    last = sim.exit(2, 0)
+    assert kills(last, SIGTERM) == [Kill(spare, SIGTERM)]
+    assert finishes(sim.exit(spare, -SIGTERM)) == [0]
+    assert sim.job.state is JobState.SUCCEEDED
+    assert [(f.rank, f.exitcode) for f in sim.job.late_failures] == [(1, -SIGKILL)]
+
+
+def test_survivors_failing_in_their_tail_after_a_late_failure_do_not_fail_the_job_either():
+    sim = _released(3, spares=0)
+    sim.exit(0, 0)  # rank 0 already left: no in-place recovery would be possible anyway
+
+    sim.exit(1, -SIGKILL)
+    second = sim.exit(2, 1)  # its barrier failed and the script let it raise
+
+    assert sends(second, CommandKind.ABORT) == []  # nobody left to tell
+    assert finishes(second) == [0]
+    assert [f.rank for f in sim.job.late_failures] == [1, 2]
+
+
+def test_a_rank_hung_after_release_is_killed_and_the_job_succeeds():
+    sim = _released(2, spares=0, timeouts=FAST)
+    sim.exit(0, 0)
+    sim.advance(FAST.heartbeat_timeout + 0.1)
+
+    actions = sim.tick(stopped=frozenset({1}))
+
+    assert kills(actions, SIGKILL) == [Kill(1, SIGKILL)]
+    assert records(actions, EventName.WORKER_FAILED)[0].fields["after_release"] is True
+    assert finishes(actions) == [0]
+
+
+def test_a_failure_when_only_some_ranks_finished_is_recovered_in_place():
+    sim = swift_running(3, spares=0)
+    sim.event(0, EventKind.FINISHING)
+    sim.event(2, EventKind.FINISHING)
+
+    sim.exit(1, -SIGKILL)
+
+    assert not sim.job.released and sim.job.state is JobState.RECOVERING
+
+
+# --- deadlines of a recovery: start-up for a replacement, recovery for the rest --------------------------------
+
+SLOW_START = Timeouts(recovery_timeout=60, startup_timeout=300)
+
+
+def test_survivors_waiting_for_a_slow_replacement_are_not_laggards_while_it_is_within_its_start_up():
+    sim, new = _cold_recovery(timeouts=SLOW_START)
+    sim.hello(new)  # it runs the user's script from the top: loading a dataset, say
+    sim.event(0, EventKind.ABORTED)
+    sim.event(2, EventKind.ABORTED)
+
+    for _ in range(29):  # 290 s, far past the recovery timeout
+        sim.advance(10)
+        sim.heartbeat_all()
+        assert kills(sim.tick()) == []
+    sim.advance(9.9)
+    sim.heartbeat_all()
+    assert kills(sim.tick()) == []
+    assert sim.job.next_deadline(sim.now) == pytest.approx(sim.now + 0.1)  # the loop wakes up for it
+    sim.advance(0.1)
+    sim.heartbeat_all()
+    actions = sim.tick()
+
+    assert kills(actions, SIGKILL) == [Kill(new, SIGKILL)]  # only the replacement, at its start-up deadline
+    cause = records(actions, EventName.WORKER_FAILED)[0].fields["cause"]
+    assert "did not reach swiftrun.Run within the start-up timeout (300s)" in cause
+    assert sim.job.generation == 2
+
+
+def test_a_replacement_that_joined_in_time_lets_recover_go_out_and_recover_has_the_recovery_timeout():
+    sim, new = _cold_recovery(timeouts=SLOW_START)
+    sim.event(0, EventKind.ABORTED)
+    sim.event(2, EventKind.ABORTED)
+    sim.advance(250)
+    sim.heartbeat_all()
+    sim.hello(new)
+    recover = sends(sim.event(new, EventKind.JOINING), CommandKind.RECOVER)
+    assert len(recover) == 3
+    sim.event(0, EventKind.RECOVERED)
+    sim.event(new, EventKind.RECOVERED)
+
+    sim.advance(59.9)
+    sim.heartbeat_all()
+    assert kills(sim.tick()) == []
+    sim.advance(0.1)
+    sim.heartbeat_all()
+    assert kills(sim.tick(), SIGKILL) == [Kill(2, SIGKILL)]  # 60 s after RECOVER, not after the failure
+
+
+def test_an_assigned_spare_has_the_start_up_timeout_from_its_assign():
+    sim = swift_running(3, spares=1, timeouts=SLOW_START)
+    (spare,) = sim.spares()
+    sim.advance(1000)  # the spare waited long before it was needed
+    sim.heartbeat_all()
+    sim.exit(1, -SIGKILL)
+    sim.event(0, EventKind.ABORTED)
+    sim.event(2, EventKind.ABORTED)
+
+    sim.advance(299)
+    sim.heartbeat_all()
+    assert kills(sim.tick()) == []
+    sim.advance(1)
+    sim.heartbeat_all()
+    assert Kill(spare, SIGKILL) in kills(sim.tick())
+
+
+def test_a_survivor_that_never_answers_the_abort_is_still_a_laggard_at_the_recovery_timeout():
+    sim, new = _cold_recovery(timeouts=SLOW_START)
+    sim.event(0, EventKind.ABORTED)  # rank 2 never answers; the replacement is still starting
+
+    sim.advance(60)
+    sim.heartbeat_all()
+    actions = sim.tick()
+
+    assert kills(actions, SIGKILL) == [Kill(2, SIGKILL)]
+
+
+def test_a_joined_replacement_waits_like_a_survivor_in_a_later_generation():
+    sim, new = _cold_recovery(timeouts=SLOW_START)
+    sim.hello(new)
+    sim.event(new, EventKind.JOINING)
+    sim.advance(200)
+    sim.heartbeat_all()
+    sim.exit(0, -SIGKILL)  # generation 2: rank 0 replaced too; rank 1's replacement must re-report JOINING
+
+    sim.advance(60)
+    sim.heartbeat_all()
+    actions = sim.tick()
+
+    assert Kill(new, SIGKILL) in kills(actions) and Kill(2, SIGKILL) in kills(actions)  # neither answered
