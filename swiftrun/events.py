@@ -25,6 +25,7 @@ class EventName(str, enum.Enum):
     RECOVERY_PHASE = "recovery_phase"  # generation, phase, start (t of phase start), duration
     RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, lost_steps
     RESTART = "restart"  # attempt, reason
+    WARNING = "warning"  # rank, message: recovery would not be exact, a collective was skipped
     JOB_END = "job_end"  # outcome, exit_code, duration, failures, time_lost
 
 

@@ -214,6 +214,11 @@ class Job:
     def on_event(self, slot_id: int, gen: int, kind: EventKind, data: dict[str, Any], now: float) -> list[Action]:
         slot = self.slots[slot_id]
         slot.last_seen = now
+        if kind is EventKind.WARNING:
+            message = str(data.get("message", ""))
+            where = f"rank {slot.rank}" if slot.rank is not None else "a spare"
+            return [Note(f"WARNING {where}: {message}"),
+                    Record(EventName.WARNING, {"rank": slot.rank, "message": message})]
         if kind is EventKind.FAILED:
             slot.traceback = str(data.get("traceback") or "") or None
             return []

@@ -31,8 +31,9 @@ from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
 from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.process import ProcessRuntime
-from swiftrun.runtime.registry import Registry, RegistrationError
-from swiftrun.runtime.txn import Transaction, rng_state, set_rng_state
+from swiftrun.runtime.registry import Registry, RegistrationError, plain
+from swiftrun.runtime.transfer import broadcast_tree
+from swiftrun.runtime.txn import Transaction, _Copier, rng_state, set_rng_state
 
 log = logging.getLogger("swiftrun.runtime")
 
@@ -42,9 +43,14 @@ _PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "timed out", "
 
 
 def warn(message: str) -> None:
-    """A warning the user must see: on stderr, prefixed so it stands out from the script's own output."""
+    """A warning the user must see: on the worker's stderr, and to the launcher (dashboard, event log)."""
     sys.stderr.write(f"[swiftrun] WARNING rank {os.environ.get('RANK', '?')}: {message}\n")
     sys.stderr.flush()
+    from swiftrun.runtime import process
+
+    rt = process.current()
+    if rt is not None:
+        rt.link.send_event(EventKind.WARNING, message=message)
 
 
 class Recovery:
@@ -89,6 +95,7 @@ class Recovery:
         self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
         self._checked_first_step = False
         self._records: dict[int, dict[int, undo.StepRecord]] = {}  # step -> optimizer index -> record
+        self.buffers = BroadcastBuffers(self)
         self._install_hooks()
         collectives.install(self)
 
@@ -273,7 +280,9 @@ class Recovery:
         phases["undo"] = time.monotonic() - t
 
         t = time.monotonic()
+        canonical = self.buffers.gather(plan.point + 1)
         self._transfer(plan)
+        self.buffers.install(canonical)
         phases["transfer"] = time.monotonic() - t
         self.completed, self.partial, self.valid = plan.point, False, True
         self.next_step = plan.point + 1
@@ -281,7 +290,7 @@ class Recovery:
         self.reg.clear_grads()
 
         t = time.monotonic()
-        mismatches = verify.compare(self.reg)
+        mismatches = verify.compare(self.reg, self.buffers.per_rank)
         phases["verify"] = time.monotonic() - t
         if mismatches:
             raise RecoveryError("replicas differ after the recovery: " + verify.describe(mismatches))
@@ -336,7 +345,8 @@ class Recovery:
         self.verify_next = False
         try:
             with collectives.internal():
-                mismatches = verify.compare(self.reg)
+                # between steps the buffers DDP broadcasts differ by design (each rank's own batch updated them)
+                mismatches = verify.compare(self.reg, self.buffers.per_rank | set(self.buffers.indices))
         except Exception:  # noqa: BLE001 - a peer died during the comparison: recover, the recovery verifies
             if self._wait_for_abort():
                 return False
@@ -427,17 +437,16 @@ class Recovery:
         _warned.add(key)
         warn(message)
 
+    # the waits follow the launcher's flags (see runtime/env.py); the launcher enforces the deadlines itself,
+    # these only bound a rank whose launcher stopped answering
     def _detect_timeout(self) -> float:
-        return _env_float("SWIFTRUN_DETECT_TIMEOUT", 60.0)
+        return self.rt.wenv.detect_wait
 
     def _recovery_timeout(self) -> float:
-        # a survivor waits for RECOVER while a replacement runs the script's preamble (bounded by the
-        # launcher's --startup-timeout) and then for the recovery itself (--recovery-timeout); the launcher
-        # enforces both, this is only the backstop should the launcher stop answering
-        return _env_float("SWIFTRUN_STARTUP_TIMEOUT", 600.0) + _env_float("SWIFTRUN_RECOVERY_TIMEOUT", 120.0)
+        return self.rt.wenv.recover_wait
 
     def _connect_timeout(self) -> float:
-        return _env_float("SWIFTRUN_CONNECT_TIMEOUT", 30.0)
+        return self.rt.wenv.connect_wait
 
     # ------------------------------------------------------------------ the end
 
@@ -448,7 +457,7 @@ class Recovery:
         gen = self.generation
         self.link.send_event(EventKind.FINISHING, gen=gen, completed=self.completed)
         self.link.wait_for(lambda: self._command_for(CommandKind.RELEASE, gen) or self._aborted())
-        if self._aborted():
+        if not self._command_for(CommandKind.RELEASE, gen):  # a failure before every rank finished: repair it
             return self.recover()
         self.released = True
         self.step = total  # the script's tail: faults and messages name it as the step after the last one
@@ -459,11 +468,105 @@ class Recovery:
 _warned: set[str] = set()
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
+class BroadcastBuffers:
+    """Buffers DDP broadcasts from rank 0 at every forward (``broadcast_buffers=True``, the default).
+
+    Each rank's buffers then start a step as rank 0's and end it updated with its own batch, so they differ
+    between ranks and only rank 0's matter: the next forward overwrites everyone's with them. A recovery must
+    therefore hand every rank *rank 0's* buffers as of the start of the step to redo. Rank 0 holds them if it
+    survived (its own, or its step-start snapshot when it applied an update); when rank 0 died, every survivor
+    that passed the broadcast of that step's first forward holds them too: a forward pre-hook on the wrapped
+    module keeps a copy of what DDP just broadcast, once per step (a memcpy of the buffers). If nobody holds
+    them (rank 0 died before that broadcast), the recovery goes on with the source's buffers and says loudly
+    that they are not the failure-free ones.
+
+    With ``broadcast_buffers=False`` each rank keeps its own buffers: a replacement can only receive another
+    rank's (said at registration), and verification does not compare them."""
+
+    def __init__(self, rec: Recovery) -> None:
+        self.rec = rec
+        reg = rec.reg
+        self.indices: list[int] = []  # registered models whose buffers DDP broadcasts
+        self.per_rank: set[int] = set()  # registered models whose buffers are each rank's own
+        self._copier = _Copier()
+        self._copies: dict[int, dict[str, torch.Tensor]] = {}
+        self._copied_at: dict[int, int] = {}  # model index -> step whose start the copy holds (-1: none)
+        self._first_forward: dict[int, int] = {}
+        wrappers = {id(plain(d)): d for d in reg.ddps}
+        for index, model in enumerate(reg.models):
+            ddp = wrappers.get(id(model))
+            if ddp is None or not any(True for _ in model.buffers()):
+                continue
+            if ddp.broadcast_buffers:
+                self.indices.append(index)
+                model.register_forward_pre_hook(self._hook(index, ddp))
+            else:
+                self.per_rank.add(index)
+                warn(f"DDP(broadcast_buffers=False) keeps each rank's own buffers in {type(model).__name__}: a "
+                     "replaced rank receives another rank's, so its buffers will not be the failure-free ones")
+
+    def _hook(self, index: int, ddp: Any):
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            rec = self.rec
+            if not rec.in_step or self._first_forward.get(index) == rec.step:
+                return
+            self._first_forward[index] = rec.step
+            if ddp._check_sync_bufs_pre_fwd():  # this forward started by broadcasting rank 0's buffers
+                with torch.no_grad():
+                    self._copies[index] = self._copier.freeze(dict(module.named_buffers()), str(index))
+                self._copied_at[index] = rec.step
+            else:  # a no_sync forward first: rank 0's step-start buffers were not broadcast this step
+                self._copied_at[index] = -1
+        return pre_forward
+
+    def _offer(self, step: int) -> str | None:
+        """Whether (and from where) this rank can give rank 0's buffers as of the start of ``step``."""
+        rec = self.rec
+        if rec.rank == 0 and rec.valid:
+            if step == rec.completed + 1:
+                return "snapshot" if rec.partial else "live"
+            if rec.partial and step == rec.completed + 2:
+                return "live"  # the update's step ran its forward: rank 0's buffers are that step's end
+        if all(self._copied_at.get(i) == step for i in self.indices):
+            return "copy"
+        return None
+
+    def _tree(self, where: str, step: int) -> dict[int, dict[str, torch.Tensor]]:
+        models = self.rec.reg.models
+        if where == "copy":
+            return {i: self._copies[i] for i in self.indices}
+        if where == "snapshot":
+            snap = self.rec.txn.snapshot(step)
+            assert snap is not None
+            return {i: snap.buffers[i] for i in self.indices}
+        return {i: {n: b.detach() for n, b in models[i].named_buffers()} for i in self.indices}
+
+    def gather(self, step: int) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Collective: rank 0's buffers as of the start of ``step``, on every rank (None: nobody has them)."""
+        if not self.indices:
+            return None
+        rec = self.rec
+        offers: list[Any] = [None] * rec.world_size
+        mine = self._offer(step)
+        dist.all_gather_object(offers, mine)
+        holders = [r for r, o in enumerate(offers) if o is not None]
+        if not holders:
+            warn(f"rank 0 died before broadcasting its buffers for step {step}; they are lost with it, so the "
+                 "recovered buffers are the source's: not bitwise the failure-free ones")
+            return None
+        holder = holders[0]
+        tree = self._tree(mine, step) if rec.rank == holder else None
+        return broadcast_tree(tree, src=holder, group=None, device=rec.group.device())
+
+    def install(self, tree: dict[int, dict[str, torch.Tensor]] | None) -> None:
+        if tree is None:
+            return
+        with torch.no_grad():
+            for index, buffers in tree.items():
+                live = dict(self.rec.reg.models[index].named_buffers())
+                for name, value in buffers.items():
+                    if live[name].data_ptr() != value.data_ptr():
+                        live[name].copy_(value)
 
 
 def _env_int(name: str, default: int) -> int:

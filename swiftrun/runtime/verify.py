@@ -59,8 +59,12 @@ def plain(tree: Any) -> Any:
     return f"<{type(tree).__qualname__}>"
 
 
-def registered_digests(reg: Registry) -> dict[str, str]:
-    return digest.digest_tree(plain(state_tree(reg)))
+def registered_digests(reg: Registry, per_rank: set[int] = frozenset()) -> dict[str, str]:
+    """``per_rank``: models whose buffers are each rank's own (DDP without buffer broadcast): not compared."""
+    tree = state_tree(reg)
+    for index in per_rank:
+        tree["models"][index] = {k: v for k, v in tree["models"][index].items() if not k.startswith("buffer:")}
+    return digest.digest_tree(plain(tree))
 
 
 def unregistered_digests(reg: Registry) -> dict[str, str]:
@@ -127,9 +131,9 @@ def registration_warnings(reg: Registry) -> list[str]:
     return sorted(set(warnings_))
 
 
-def compare(reg: Registry) -> list[digest.Mismatch]:
+def compare(reg: Registry, per_rank: set[int] = frozenset()) -> list[digest.Mismatch]:
     """A collective over the default group: the entries whose digests differ between ranks."""
-    mine = registered_digests(reg)
+    mine = registered_digests(reg, per_rank)
     mine.update(unregistered_digests(reg))
     return digest.compare_across_ranks(mine)
 

@@ -80,6 +80,8 @@ CASES = {
     # BatchNorm running stats + a non-persistent counter buffer, dropout, a DataLoader worker, OneCycle
     "buffers-dropout-loader": (("--bn", "--dropout", "--loader-workers", "1", "--scheduler", "onecycle",
                                 "--optimizer", "sgd"), ("1:5:backward:sigkill",)),
+    # rank 0 dies: DDP broadcasts rank 0's buffers at every forward, so a survivor's copy of them is used
+    "buffers-of-a-dead-rank-0": (("--bn", "--optimizer", "sgd"), ("0:5:backward:sigkill",)),
     # every rank applied the update, then a collective failed: undone, and redone with the same lr
     "undo-keeps-the-lr": (("--bn", "--scheduler", "exponential", "--sync-loss", "--ema", "registered"),
                           ("1:5:after-step:sigkill",)),

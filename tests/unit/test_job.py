@@ -1408,3 +1408,11 @@ def test_a_joined_replacement_waits_like_a_survivor_in_a_later_generation():
     actions = sim.tick()
 
     assert Kill(new, SIGKILL) in kills(actions) and Kill(2, SIGKILL) in kills(actions)  # neither answered
+
+
+def test_a_workers_warning_reaches_the_console_and_the_event_log():
+    sim = swift_running()
+    actions = sim.event(sim.slot(1), EventKind.WARNING, message="dist.all_reduce at train.py:9 was skipped")
+    assert [r.fields["message"] for r in records(actions, EventName.WARNING)] == [
+        "dist.all_reduce at train.py:9 was skipped"]
+    assert any("WARNING rank 1" in n.text for n in of(actions, Note))
