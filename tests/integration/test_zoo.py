@@ -86,8 +86,13 @@ def assert_same_as_reference(save: Path, reference: Path, records: list[dict]) -
         if undone and not exact and worst <= 1e-6:
             continue  # an inverted update is exact to a few ULP only
         problems.append(f"rank {rank}: {len(diff)} entries differ (max rel diff {worst:.3g} over floats; "
-                        f"undone: {undone}): {', '.join((exact + floats)[:6])}")
+                        f"undone: {undone}): {', '.join(sorted(exact + floats, key=_params_last)[:8])}")
     assert not problems, "\n".join(problems)
+
+
+def _params_last(key: str) -> tuple[bool, str]:
+    """Order differing keys so the telling ones (buffers, lr, counters, RNG) come before the parameters."""
+    return key.startswith(("model.param.", "opt0.state.")), key
 
 
 def recoveries(records: list[dict]) -> list[dict]:
@@ -122,7 +127,8 @@ def test_lr_of_a_step_redone_after_an_undo(zoo_reference, tmp_path, marker):
     extra = ("--inside-guard",)
     save, records = swiftrun_zoo("eval_ckpt", tmp_path, marker, faults=("1:9:after-step:sigkill",), extra=extra)
     assert [r.get("mode") for r in recoveries(records)] == ["undo"]
-    assert_same_as_reference(save, zoo_reference("eval_ckpt", extra), records)
+    # --inside-guard changes where the evaluation runs, not what it computes: same reference as without it
+    assert_same_as_reference(save, zoo_reference("eval_ckpt"), records)
 
 
 @pytest.mark.timeout(300)
