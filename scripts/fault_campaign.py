@@ -221,9 +221,9 @@ def execute(cmd: list[str], marker: str, deadline: float, external: list[dict], 
 
         def deliver() -> None:
             for item in sorted(external, key=lambda e: e["at"]):
-                delay = item["at"] * expected - (time.monotonic() - started)
-                if delay > 0:
-                    time.sleep(delay)
+                due = started + item["at"] * expected
+                while time.monotonic() < due and proc.poll() is None:
+                    time.sleep(min(0.05, max(0.0, due - time.monotonic())))
                 if proc.poll() is not None:
                     notes.append(f"{item['signal']} at {item['at']:.2f}: the job had already ended")
                     continue
@@ -391,8 +391,11 @@ class Campaign:
         undone = any(rec.get("mode") == "undo" for rec in outcome.recoveries)
         if undone and worst <= 1e-6 and not exact_only:
             return verdict("CLOSE", f"max rel diff {worst:.2e} after an undo")
+        model_keys = [k for k in floats if k.startswith(("model.", "opt"))]
+        model_worst = max((max_rel_diff(results[r], expected[r], model_keys) for r in range(plan.world)),
+                          default=0.0)
         return verdict("BUG", f"exit 0 with a different state: {len(diff_keys)} keys differ, max rel diff "
-                       f"{worst:.3g} over floats; " + ", ".join(short(k) for k in sorted(exact_only + floats,
+                       f"{worst:.3g} over floats ({model_worst:.2g} over model/optimizer); " + ", ".join(short(k) for k in sorted(exact_only + floats,
                                                           key=lambda k: (k.startswith(("model.param.", "opt0.state.")), k))[:6]))
 
 
