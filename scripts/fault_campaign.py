@@ -2,7 +2,7 @@
 final state compared with a failure-free run of the same configuration.
 
     python scripts/fault_campaign.py --seed 1 --runs 40 --out /tmp/campaign
-    python scripts/fault_campaign.py --seed 1 --runs 40 --only 17          # replay run 17 of that campaign
+    python scripts/fault_campaign.py --seed 1 --runs 40 --only 17          # replay run 17 (same flags otherwise)
     python scripts/fault_campaign.py --seed 1 --scripts gpt,ema --world 3
 
 Each run draws (from ``--seed`` and its index only) a configuration (a zoo script or examples/train_dp.py, a
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import random
 import re
@@ -394,9 +393,10 @@ class Campaign:
         model_keys = [k for k in floats if k.startswith(("model.", "opt"))]
         model_worst = max((max_rel_diff(results[r], expected[r], model_keys) for r in range(plan.world)),
                           default=0.0)
+        telling = sorted(exact_only + floats, key=lambda k: (k.startswith(("model.param.", "opt0.state.")), k))
         return verdict("BUG", f"exit 0 with a different state: {len(diff_keys)} keys differ, max rel diff "
-                       f"{worst:.3g} over floats ({model_worst:.2g} over model/optimizer); " + ", ".join(short(k) for k in sorted(exact_only + floats,
-                                                          key=lambda k: (k.startswith(("model.param.", "opt0.state.")), k))[:6]))
+                       f"{worst:.3g} over floats ({model_worst:.2g} over model/optimizer); "
+                       + ", ".join(short(k) for k in telling[:6]))
 
 
 def short(key: str) -> str:
@@ -482,7 +482,8 @@ def main() -> None:
         print(f"[{index:3d}] {plan.config:<16} w{plan.world} {what:<44} {outcome.verdict:<8} "
               f"exit={outcome.exit_code} {outcome.seconds:5.1f}s rec={modes} {outcome.reason}", flush=True)
         (campaign.out / "results.json").write_text(json.dumps(
-            {"seed": args.seed, "phases": list(phases), "runs": [asdict(o) for o in outcomes]}, indent=1))
+            {"seed": args.seed, "args": vars(args), "phases": list(phases), "runs": [asdict(o) for o in outcomes]},
+            indent=1))
 
     counts = collections.Counter(o.verdict for o in outcomes)
     print("\nsummary (seed %d, %d runs): %s" % (args.seed, len(outcomes),

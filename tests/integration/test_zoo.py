@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration
 
 ZOO = EXAMPLES / "zoo"
 WORLD = 2
-FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "10", "--no-dashboard"]  # no SIGSTOP faults here; robust on a loaded CI machine
+# no SIGSTOP faults here, so a heartbeat timeout that stays robust on a loaded 2-core machine
+FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "10", "--no-dashboard"]
 ARGS = {  # short runs: a few seconds each beyond importing torch
     "cnn_bn": ("--steps", "20"),
     "gpt": ("--steps", "16"),
