@@ -1,0 +1,163 @@
+"""The zoo (examples/zoo/): realistic training scripts, failure-free and with one fixed fault each.
+
+Each script saves every rank's final state in one flat format (examples/zoo/_common.py): parameters, every
+buffer (non-persistent too), optimizer state, every param group's lr/momentum/betas, scheduler and scaler state,
+EMA weights, script counters, the torch RNG state. A run is compared rank by rank with plain torchrun's
+failure-free run of the same configuration (computed once per session): bitwise, or within 1e-6 relative when
+the recovery undid an update. The faults target what MLP-only tests cannot see: BatchNorm buffers, an lr that
+scheduler.step() wrote into param_groups, dropout with a DataLoader worker, an EMA, and collectives the script
+issues outside the guard (evaluation all-reduce, checkpoint barrier). docs/FAULT_CAMPAIGN.md has the random
+campaign built on the same scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import EXAMPLES, run, swiftrun_cmd
+
+sys.path.insert(0, str(EXAMPLES / "zoo"))
+from _common import differing_keys, max_rel_diff  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ZOO = EXAMPLES / "zoo"
+WORLD = 2
+# no SIGSTOP faults here, so a heartbeat timeout that stays robust on a loaded 2-core machine
+FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "10", "--no-dashboard"]
+ARGS = {  # short runs: a few seconds each beyond importing torch
+    "cnn_bn": ("--steps", "20"),
+    "gpt": ("--steps", "16"),
+    "ema": ("--steps", "16"),
+    "eval_ckpt": ("--steps", "40"),
+}
+
+
+def load(save: Path) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(save / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="session")
+def zoo_reference(tmp_path_factory):
+    """Plain torchrun's failure-free result of (script, extra args), computed once per session."""
+    cache: dict[tuple, Path] = {}
+
+    def get(script: str, extra: tuple[str, ...] = ()) -> Path:
+        key = (script, extra)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"zoo-ref-{script}")
+            proc = run(["torchrun", "--standalone", "--nproc-per-node", str(WORLD), str(ZOO / f"{script}.py"),
+                        *ARGS[script], *extra, "--save-dir", str(out / "save")], marker="zoo-reference",
+                       timeout=180)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            cache[key] = out / "save"
+        return cache[key]
+
+    return get
+
+
+def swiftrun_zoo(script: str, tmp_path: Path, marker: str, faults: tuple[str, ...] = (),
+                 extra: tuple[str, ...] = ()) -> tuple[Path, list[dict]]:
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    fault_args = [a for f in faults for a in ("--fault", f)]
+    proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events), *fault_args,
+                            str(ZOO / f"{script}.py"), *ARGS[script], *extra, "--save-dir", str(save)),
+               marker, timeout=150)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n" + (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return save, records
+
+
+def assert_same_as_reference(save: Path, reference: Path, records: list[dict]) -> None:
+    results, expected = load(save), load(reference)
+    undone = any(r["event"] == "recovery_end" and r.get("mode") == "undo" for r in records)
+    problems = []
+    for rank in range(WORLD):
+        diff = differing_keys(results[rank], expected[rank])
+        if not diff:
+            continue
+        floats = [k for k in diff if k in expected[rank] and expected[rank][k].is_floating_point()]
+        exact = [k for k in diff if k not in floats]
+        worst = max_rel_diff(results[rank], expected[rank], floats)
+        if undone and not exact and worst <= 1e-6:
+            continue  # an inverted update is exact to a few ULP only
+        problems.append(f"rank {rank}: {len(diff)} entries differ (max rel diff {worst:.3g} over floats; "
+                        f"undone: {undone}): {', '.join(sorted(exact + floats, key=_params_last)[:8])}")
+    assert not problems, "\n".join(problems)
+
+
+def _params_last(key: str) -> tuple[bool, str]:
+    """Order differing keys so the telling ones (buffers, lr, counters, RNG) come before the parameters."""
+    return key.startswith(("model.param.", "opt0.state.")), key
+
+
+def recoveries(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["event"] == "recovery_end"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", sorted(ARGS))
+def test_failure_free_zoo_matches_torchrun(script, zoo_reference, tmp_path, marker):
+    """Turning recovery on changes nothing: every rank's final state is bitwise torchrun's."""
+    save, records = swiftrun_zoo(script, tmp_path, marker)
+    assert not recoveries(records)
+    results, expected = load(save), load(zoo_reference(script))
+    for rank in range(WORLD):
+        assert differing_keys(results[rank], expected[rank]) == [], f"rank {rank}"
+
+
+@pytest.mark.timeout(300)
+def test_batchnorm_rank_killed_mid_forward(zoo_reference, tmp_path, marker):
+    """Rank 1 dies in its forward pass; rank 0's forward already updated its BatchNorm running statistics (and
+    num_batches_tracked) for the interrupted step. The redone step must not count that batch twice."""
+    save, records = swiftrun_zoo("cnn_bn", tmp_path, marker, faults=("1:6:forward:sigkill",))
+    assert recoveries(records) and recoveries(records)[-1]["outcome"] == "recovered"
+    assert_same_as_reference(save, zoo_reference("cnn_bn"), records)
+
+
+@pytest.mark.timeout(300)
+def test_lr_of_a_step_redone_after_an_undo(zoo_reference, tmp_path, marker):
+    """Rank 1 dies right after optimizer.step() of step 9; rank 0 runs scheduler.step() (which crosses a
+    MultiStepLR milestone and writes the new lr into param_groups) and blocks in the evaluation all-reduce inside
+    the guard. No rank finished the step: the update is undone and step 9 redone, with step 9's lr."""
+    extra = ("--inside-guard",)
+    save, records = swiftrun_zoo("eval_ckpt", tmp_path, marker, faults=("1:9:after-step:sigkill",), extra=extra)
+    assert [r.get("mode") for r in recoveries(records)] == ["undo"]
+    # --inside-guard changes where the evaluation runs, not what it computes: same reference as without it
+    assert_same_as_reference(save, zoo_reference("eval_ckpt"), records)
+
+
+@pytest.mark.timeout(300)
+def test_gpt_with_dataloader_worker_killed_mid_step(zoo_reference, tmp_path, marker):
+    """Rank 1 dies in its backward pass (second micro-batch) while a DataLoader worker feeds it and dropout draws
+    from the global RNG: the redone step must see the same batch and the same dropout masks."""
+    save, records = swiftrun_zoo("gpt", tmp_path, marker, faults=("1:7:backward:sigkill",))
+    assert recoveries(records)
+    assert_same_as_reference(save, zoo_reference("gpt"), records)
+
+
+@pytest.mark.timeout(300)
+def test_ema_rank_killed_after_its_step(zoo_reference, tmp_path, marker):
+    """Rank 0 dies right after optimizer.step() (before its EMA update and scheduler.step()); rank 1 finishes
+    the step. The EMA weights and n_averaged must end as without the failure."""
+    save, records = swiftrun_zoo("ema", tmp_path, marker, faults=("0:6:after-step:sigkill",))
+    assert recoveries(records)
+    assert_same_as_reference(save, zoo_reference("ema"), records)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["eval", "barrier"])
+def test_eval_ckpt_rank_killed_in_a_collective_after_the_guard(where, zoo_reference, tmp_path, marker):
+    """The evaluation all-reduce and the checkpoint barrier come after ``with run.guard():`` (the usual layout).
+    Rank 1 SIGKILLs itself right before one of them at step 9; rank 0 is blocked in it, outside the guard. The
+    job must still end exactly as without the failure, with each evaluation counted once."""
+    save, records = swiftrun_zoo("eval_ckpt", tmp_path, marker, extra=("--crash", f"1:9:{where}"))
+    assert recoveries(records)
+    assert_same_as_reference(save, zoo_reference("eval_ckpt"), records)
+    checkpoint = torch.load(save / "ckpt" / "latest.pt", weights_only=False)
+    assert checkpoint["step"] == 40 and checkpoint["history"]["evals"] == 8
