@@ -499,6 +499,16 @@ def launch(
                  "(not counted in --max-restarts).",
         ),
     ] = 3,
+    verify_every: Annotated[
+        int,
+        _own("--verify-every", panel=SWIFT, metavar="N",
+             help="Also compare every rank's whole state every N steps (0: only after each recovery)."),
+    ] = 0,
+    transfer_chunk_mb: Annotated[
+        int,
+        _own("--transfer-chunk-mb", panel=SWIFT, metavar="MB",
+             help="Chunk size of a recovery's state transfer (0: 16 on the CPU, 64 on a GPU)."),
+    ] = 0,
     spares: Annotated[int, _own("--spares", panel=SWIFT, help="Warm spare workers kept ready to replace a rank.")] = 1,
     heartbeat_interval: Annotated[
         float, _own("--heartbeat-interval", panel=SWIFT, metavar="SECONDS", help="Worker heartbeat period.")
@@ -648,6 +658,8 @@ def launch(
             recovery=recovery_mode,
             max_recoveries=max_recoveries,
             startup_restarts=startup_restarts,
+            verify_every=verify_every,
+            transfer_chunk_mb=transfer_chunk_mb,
             spares=spares,
             dashboard=dashboard,
             event_log=event_log,

@@ -157,6 +157,8 @@ class LaunchConfig:
     # restarts of every worker after an infrastructure failure (a signal, a hang) before every rank registered
     # swiftrun.Run; they do not consume --max-restarts, since nothing of the job's own was lost yet
     startup_restarts: int = 3
+    verify_every: int = 0  # also compare every rank's whole state every N steps (0: only after recoveries)
+    transfer_chunk_mb: int = 0  # state transfer chunk size in MiB (0: 16 on the CPU, 64 on a GPU)
     spares: int = 1
     dashboard: bool | None = None  # None: on when stdout is a terminal
     event_log: Path | None = None
@@ -173,6 +175,8 @@ class LaunchConfig:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port")
         if self.max_restarts < 0 or self.max_recoveries < 0 or self.spares < 0 or self.startup_restarts < 0:
             raise ConfigError("--max-restarts, --max-recoveries, --startup-restarts and --spares must be >= 0")
+        if self.verify_every < 0 or self.transfer_chunk_mb < 0:
+            raise ConfigError("--verify-every and --transfer-chunk-mb must be >= 0 (0: off / the default)")
         if self.monitor_interval <= 0:
             raise ConfigError("--monitor-interval must be > 0")
         for name, per_rank in (("--redirects", self.redirects), ("--tee", self.tee)):

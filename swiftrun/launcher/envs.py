@@ -29,6 +29,8 @@ RECOVERY_TIMEOUT = "SWIFTRUN_RECOVERY_TIMEOUT"  # survivors' abort; and RECOVER 
 STARTUP_TIMEOUT = "SWIFTRUN_STARTUP_TIMEOUT"  # a replacement's spawn/ASSIGN -> JOINING (its script's preamble)
 FAULTS = "SWIFTRUN_FAULTS"  # ";"-joined FaultSpec encodings
 RECOVERY = "SWIFTRUN_RECOVERY"  # RecoveryMode value
+VERIFY_EVERY = "SWIFTRUN_VERIFY_EVERY"  # compare the replicas' whole state every N steps (0: after recoveries)
+TRANSFER_CHUNK_MB = "SWIFTRUN_TRANSFER_CHUNK_MB"  # state transfer chunk, MiB (0: the device's default)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ def runtime_env(
         RECOVERY_TIMEOUT: repr(config.timeouts.recovery_timeout),
         STARTUP_TIMEOUT: repr(config.timeouts.startup_timeout),
         RECOVERY: config.recovery.value,
+        VERIFY_EVERY: str(config.verify_every),
+        TRANSFER_CHUNK_MB: str(config.transfer_chunk_mb),
     }
     if config.faults:
         env[FAULTS] = ";".join(f.encode() for f in config.faults)

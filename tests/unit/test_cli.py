@@ -98,6 +98,8 @@ FLAG_CASES = [
     (["--max-recoveries", "2"], "SWIFTRUN_MAX_RECOVERIES", "2"),
     (["--spares", "0"], "SWIFTRUN_SPARES", "0"),
     (["--startup-restarts", "0"], "SWIFTRUN_STARTUP_RESTARTS", "0"),
+    (["--verify-every", "50"], "SWIFTRUN_VERIFY_EVERY", "50"),
+    (["--transfer-chunk-mb", "4"], "SWIFTRUN_TRANSFER_CHUNK_MB", "4"),
     (["--no-dashboard"], "SWIFTRUN_DASHBOARD", "0"),
     (["--event-log", "ev.jsonl"], "SWIFTRUN_EVENT_LOG", "ev.jsonl"),
     (["--fault", "0:3:step:sigkill"], "SWIFTRUN_FAULT", "0:3:step:sigkill"),

@@ -97,6 +97,8 @@ def test_only_restart_mode_is_not_swift(mode):
         ({"max_recoveries": -1}, "--max-recoveries"),
         ({"spares": -1}, "--spares"),
         ({"startup_restarts": -1}, "--startup-restarts"),
+        ({"verify_every": -1}, "--verify-every"),
+        ({"transfer_chunk_mb": -2}, "--transfer-chunk-mb"),
         ({"monitor_interval": 0}, "--monitor-interval"),
         ({"nproc_per_node": 2, "redirects": (Std.ALL,)}, "--redirects"),
         ({"nproc_per_node": 2, "tee": (Std.OUT, Std.ERR, Std.NONE)}, "--tee"),
