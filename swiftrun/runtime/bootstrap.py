@@ -53,9 +53,6 @@ def _warm_torch() -> None:
         DistributedDataParallel(torch.nn.Linear(2, 2))
     finally:
         dist.destroy_process_group()
-    import gc
-
-    gc.collect()  # the throw-away DDP must not be found (and registered) by swiftrun.Run later
 
 
 def _set_idle_priority(native_thread_id: int, idle: bool) -> None:

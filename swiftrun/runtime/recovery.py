@@ -499,7 +499,8 @@ class BroadcastBuffers:
                 continue
             if ddp.broadcast_buffers:
                 self.indices.append(index)
-                model.register_forward_pre_hook(self._hook(index, ddp))
+                # first among the module's hooks: a script's own pre-hook may already change a buffer
+                model.register_forward_pre_hook(self._hook(index, ddp), prepend=True)
             else:
                 self.per_rank.add(index)
                 warn(f"DDP(broadcast_buffers=False) keeps each rank's own buffers in {type(model).__name__}: a "

@@ -4,8 +4,9 @@ What is compared:
 
 - everything registered with ``swiftrun.Run``: every parameter and buffer, each optimizer's state and param-group
   hyperparameters, the schedulers', the scaler's and the user state;
-- what the script did *not* register but the process holds: optimizers, LR schedulers, GradScalers and root
-  ``nn.Module`` objects (an EMA or teacher model) found by a scan of the heap. A replacement rebuilt those from the
+- what the script did *not* register but holds: optimizers, LR schedulers, GradScalers and root ``nn.Module``
+  objects (an EMA or teacher model) found in the locals of the training loop's stack and in ``__main__``
+  (:func:`~swiftrun.runtime.registry.reachable_objects`; state kept only elsewhere is not seen). A replacement rebuilt those from the
   script's own set-up, so if they carry training state, they differ from the survivors' here, and the job is told
   which object to register instead of training on silently diverged replicas.
 
@@ -15,15 +16,13 @@ on some ranks only (created lazily) cannot be paired and is skipped.
 
 from __future__ import annotations
 
-import gc
 import hashlib
-import warnings
 from typing import Any
 
 import torch
 
 from swiftrun.runtime import digest
-from swiftrun.runtime.registry import Registry
+from swiftrun.runtime.registry import Registry, reachable_objects
 from swiftrun.runtime.state import state_tree
 
 _KINDS: tuple[tuple[str, type], ...] = ()
@@ -69,7 +68,6 @@ def registered_digests(reg: Registry, per_rank: set[int] = frozenset()) -> dict[
 
 def unregistered_digests(reg: Registry) -> dict[str, str]:
     """One digest per kind and structure of unregistered stateful object (several alike: their sorted digests)."""
-    gc.collect()
     registered = {id(o) for o in (*reg.models, *reg.optimizers, *reg.schedulers, reg.scaler, reg.user_state)
                   if o is not None}
     owned = [*reg.models, *([reg.user_state] if isinstance(reg.user_state, torch.nn.Module) else [])]
@@ -77,11 +75,7 @@ def unregistered_digests(reg: Registry) -> dict[str, str]:
     found: dict[str, list[str]] = {}
     modules: list[torch.nn.Module] = []
     kinds = _kinds()
-    with warnings.catch_warnings():  # isinstance() on torch's deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        objects = gc.get_objects()
-        candidates = [o for o in objects if isinstance(o, (torch.nn.Module, *(cls for _, cls in kinds)))]
-    del objects
+    candidates = [o for o in reachable_objects() if isinstance(o, (torch.nn.Module, *(cls for _, cls in kinds)))]
     for obj in candidates:
         if isinstance(obj, torch.nn.Module):
             if id(obj) not in registered and id(obj) not in inside and not _internal(obj):
@@ -110,10 +104,8 @@ def registration_warnings(reg: Registry) -> list[str]:
     params = {id(p) for p in reg.parameters()}
     optimizers = {id(o) for o in reg.optimizers}
     warnings_: list[str] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        objects = [o for o in gc.get_objects() if isinstance(o, (torch.optim.Optimizer, torch.nn.Module,
-                                                                   *(cls for _, cls in _kinds())))]
+    objects = [o for o in reachable_objects() if isinstance(o, (torch.optim.Optimizer, torch.nn.Module,
+                                                                  *(cls for _, cls in _kinds())))]
     for obj in objects:
         name = type(obj).__name__
         if isinstance(obj, torch.optim.Optimizer):
