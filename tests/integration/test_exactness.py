@@ -83,7 +83,9 @@ CASES = {
     # rank 0 dies: DDP broadcasts rank 0's buffers at every forward, so a survivor's copy of them is used
     "buffers-of-a-dead-rank-0": (("--bn", "--optimizer", "sgd"), ("0:5:backward:sigkill",)),
     # every rank applied the update, then a collective failed: undone, and redone with the same lr
-    "undo-keeps-the-lr": (("--bn", "--scheduler", "exponential", "--sync-loss", "--ema", "registered"),
+    # (no BatchNorm here: the bias feeding it gets only rounding noise as gradient, so any relative measure of
+    # the undo's few-ULP error on it is meaningless; the buffers' restore is covered by the other cases)
+    "undo-keeps-the-lr": (("--dropout", "--scheduler", "exponential", "--sync-loss", "--ema", "registered"),
                           ("1:5:after-step:sigkill",)),
     # the unwrapped module registered; DDP found and rebound
     "unwrapped-module": (("--register", "module", "--bn"), ("0:4:forward:exception",)),
