@@ -532,6 +532,8 @@ class Job:
 
     def _escalate(self, now: float, cause: str) -> list[Action]:
         """In-place recovery is not possible: restart everything if allowed, else stop."""
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            return []  # already decided (every rank of a failed recovery reports it)
         if self.recovery:
             self._close_recovery(now, outcome="escalated")
         if self.restarts_used < self.config.max_restarts:
@@ -542,7 +544,7 @@ class Job:
                 Record(EventName.RESTART, {"attempt": self.attempt + 1, "reason": cause}),
             ])
         budget = "no restarts allowed (--max-restarts 0)" if not self.config.max_restarts else "restart budget spent"
-        return [Note(f"stopping the job: {budget}")] + self._stop_all(now, 1)
+        return [Note(f"stopping the job ({budget}): {cause}")] + self._stop_all(now, 1)
 
     def _restart_all(self, now: float, announce: list[Action]) -> list[Action]:
         """Stop every worker (spares too); :meth:`_restart` starts them again on a fresh store once all are gone."""

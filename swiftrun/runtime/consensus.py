@@ -76,7 +76,8 @@ def _plan_roll_forward(statuses: list[RankStatus], valid: list[RankStatus]) -> P
         if not undoable:
             raise RecoveryError(
                 "every surviving rank applied an optimizer update without finishing its step, and that update "
-                "cannot be inverted (non-invertible optimizer or gradients overwritten)"
+                "cannot be inverted (a non-invertible optimizer, gradients overwritten, or parameters written in place by a "
+                "collective after the update)"
             )
         undo = tuple(s.rank for s in undoable)
         on_boundary = [RankStatus(s.rank, True, s.updates - 1, True, False) for s in undoable]
