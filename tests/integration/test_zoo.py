@@ -151,13 +151,27 @@ def test_ema_rank_killed_after_its_step(zoo_reference, tmp_path, marker):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("where", ["eval", "barrier"])
-def test_eval_ckpt_rank_killed_in_a_collective_after_the_guard(where, zoo_reference, tmp_path, marker):
-    """The evaluation all-reduce and the checkpoint barrier come after ``with run.guard():`` (the usual layout).
-    Rank 1 SIGKILLs itself right before one of them at step 9; rank 0 is blocked in it, outside the guard. The
-    job must still end exactly as without the failure, with each evaluation counted once."""
-    save, records = swiftrun_zoo("eval_ckpt", tmp_path, marker, extra=("--crash", f"1:9:{where}"))
+def test_eval_ckpt_rank_killed_in_the_checkpoint_barrier_after_the_guard(zoo_reference, tmp_path, marker):
+    """The checkpoint barrier comes after ``with run.guard():`` (the usual layout). Rank 1 SIGKILLs itself right
+    before it at step 9; rank 0 is blocked in it, outside the guard. A barrier carries no data: the job ends
+    exactly as without the failure, with each evaluation counted once."""
+    save, records = swiftrun_zoo("eval_ckpt", tmp_path, marker, extra=("--crash", "1:9:barrier"))
     assert recoveries(records)
     assert_same_as_reference(save, zoo_reference("eval_ckpt"), records)
     checkpoint = torch.load(save / "ckpt" / "latest.pt", weights_only=False)
     assert checkpoint["step"] == 40 and checkpoint["history"]["evals"] == 8
+
+
+@pytest.mark.timeout(300)
+def test_registered_state_fed_by_a_skipped_evaluation_all_reduce_is_refused_loudly(tmp_path, marker):
+    """Rank 1 dies right before the evaluation all-reduce after the guard. Rank 0 recovers there and the
+    all-reduce is skipped: its result is rank 0's local accuracy, which the script then adds to its *registered*
+    history. No run can make that exact (the replacement never runs step 9's evaluation), so the verification at
+    the next step names the entries that diverged and the job stops instead of training on."""
+    events = tmp_path / "events.jsonl"
+    proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events),
+                            str(ZOO / "eval_ckpt.py"), *ARGS["eval_ckpt"], "--crash", "1:9:eval",
+                            "--save-dir", str(tmp_path / "save")), marker, timeout=150)
+    assert proc.returncode == 1
+    assert "replicas differ before step 10" in proc.stderr and "user.eval_sum" in proc.stderr, proc.stderr[-3000:]
+    assert "was skipped" in proc.stderr  # the skipped all-reduce was named at its call site
