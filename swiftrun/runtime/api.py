@@ -138,6 +138,11 @@ class Run:
             rec.next_step = rec.recover()
             return
         rec.in_guard = False
+        if rec.in_step and rec._aborted():
+            # the body returned normally although the generation was aborted (the script caught the failed
+            # collective itself): the step did not complete, so it is recovered and redone, never marked done
+            rec.next_step = rec.recover()
+            return
         if not rec.aborted_iteration:
             rec.complete_step(self._step)
 
