@@ -212,7 +212,7 @@ def _say_once(name: str, what: str) -> None:
     if key in _said:
         return
     _said.add(key)
-    from swiftrun.runtime.recovery import warn
+    from swiftrun.runtime.process import warn
 
     warn(f"dist.{name} at {site} {what}")
 

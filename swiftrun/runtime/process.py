@@ -6,6 +6,8 @@ created explicitly by :mod:`swiftrun.runtime.bootstrap` and never implicitly on 
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,3 +36,14 @@ def current() -> ProcessRuntime | None:
     if _current is None or not _current.link.usable:
         return None
     return _current
+
+
+def warn(message: str) -> None:
+    """A warning the user must see: on the worker's stderr, and to the launcher (dashboard, event log)."""
+    from swiftrun.protocol import EventKind
+
+    sys.stderr.write(f"[swiftrun] WARNING rank {os.environ.get('RANK', '?')}: {message}\n")
+    sys.stderr.flush()
+    rt = current()
+    if rt is not None:
+        rt.link.send_event(EventKind.WARNING, message=message)

@@ -57,7 +57,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class _Copier:
+class Copier:
     """Copies tensor leaves of a tree into buffers kept from the previous call (same path, shape, dtype)."""
 
     def __init__(self) -> None:
@@ -104,7 +104,7 @@ class Transaction:
 
     def __init__(self, reg: Registry, keep: int = 1) -> None:
         self.reg = reg
-        self._copiers = [_Copier() for _ in range(keep)]
+        self._copiers = [Copier() for _ in range(keep)]
         self._snaps: list[StepSnapshot | None] = [None] * keep
         self.current: StepSnapshot | None = None
 
