@@ -340,7 +340,13 @@ class Recovery:
                 return False
             raise
         if mismatches:
-            raise RecoveryError(f"replicas differ before step {step}: " + verify.describe(mismatches))
+            # a refusal, said by the launcher (restart from the script's checkpoint or a clean stop), not a
+            # traceback from swiftrun's own code in the script
+            reason = f"replicas differ before step {step}: " + verify.describe(mismatches)
+            self.link.send_event(EventKind.UNRECOVERABLE, gen=self.generation, reason=reason)
+            if self.link.wait_for(lambda: self._aborted(), timeout=self._recovery_timeout()):
+                return False  # the launcher answered with a new generation (it stops or restarts the job)
+            raise RecoveryError(reason)
         return True
 
     # ------------------------------------------------------------------ undo
