@@ -38,10 +38,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples" / "zoo"))
+sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
 from _common import differing_keys, max_rel_diff  # noqa: E402
+
+from tests.helpers import processes_with_marker  # noqa: E402
 
 MARKER = "SWIFTRUN_CAMPAIGN_MARKER"
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "4", "--no-dashboard"]
@@ -115,21 +118,7 @@ def read_events(path: Path) -> list[dict]:
 
 
 def marked(marker: str) -> list[int]:
-    needle = f"{MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    return processes_with_marker(marker, variable=MARKER)
 
 
 def children_of(pid: int) -> list[int]:

@@ -50,9 +50,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def processes_with_marker(marker: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``MARKER=marker`` (zombies excluded)."""
-    needle = f"{MARKER}={marker}".encode()
+def processes_with_marker(marker: str, variable: str = MARKER) -> list[int]:
+    """PIDs of live processes whose environment carries ``variable=marker`` (zombies excluded)."""
+    needle = f"{variable}={marker}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
