@@ -50,15 +50,19 @@ class Run:
         scaler: a ``torch.amp.GradScaler``; a step it skipped is not undone.
         state: small user state that must travel: an object with ``state_dict``/``load_state_dict``, or a dict
             (updated in place on the receiving ranks).
+        pipeline: this rank's pipeline stage(s): a ``torch.distributed.pipelining`` schedule (or its
+            ``PipelineStage``) whose stage boundaries are logged, so that a stage without a data-parallel replica
+            is rebuilt by replaying it from its last stage checkpoint (docs/ARCHITECTURE.md, "Pipelines").
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-                 state: Any = None) -> None:
+                 state: Any = None, pipeline: Any = None) -> None:
         self._rt = process.current()
         self._next = 0
         self._total = 0
         self._step = -1
         self._recovery = None
+        self.pipeline = pipeline
         if self._rt is None:
             return
         import torch.distributed as dist
