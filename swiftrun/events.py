@@ -24,6 +24,7 @@ class EventName(str, enum.Enum):
     RECOVERY_START = "recovery_start"  # generation, failed_ranks, cause
     RECOVERY_PHASE = "recovery_phase"  # generation, phase, start (t of phase start), duration
     RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, lost_steps
+    REPLAY = "replay"  # generation, rank, first, last: a pipeline stage replays these steps alone
     RESTART = "restart"  # attempt, reason
     WARNING = "warning"  # rank, message: recovery would not be exact, a collective was skipped
     JOB_END = "job_end"  # outcome, exit_code, duration, failures, time_lost

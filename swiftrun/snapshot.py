@@ -63,7 +63,8 @@ class RecoveryPhase(str, enum.Enum):
     REBUILD = "rebuild"  # process group of the new generation built
     CONSENSUS = "consensus"  # recovery point agreed
     UNDO = "undo"  # partially applied update undone (or skipped when rolling forward)
-    TRANSFER = "transfer"  # state broadcast from the source replica
+    TRANSFER = "transfer"  # state broadcast from the source replica (pipelines: checkpoint and logs handed over)
+    REPLAY = "replay"  # a pipeline stage with no replica re-ran the steps since its checkpoint, alone
     RESUME = "resume"  # every rank recovered -> RESUME sent
 
 
@@ -97,6 +98,7 @@ class RecoveryView:
     source_rank: int | None = None
     done: bool = False
     total: float | None = None  # seconds from failure to resume, once done
+    replay: str | None = None  # a pipeline stage's replay progress, e.g. "rank 2: step 7 of 4..9"
 
 
 @dataclass(frozen=True)

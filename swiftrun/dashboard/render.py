@@ -320,7 +320,7 @@ def _recovery_panel(recovery: RecoveryView, ongoing: bool) -> Panel:
             outcome.append(f"total {format_duration(recovery.total)}")
         subtitle = Text(" · ".join(outcome), style="green")
     else:
-        subtitle = Text(" · ".join(filter(None, [recovery.mode, "in progress"])), style="yellow")
+        subtitle = Text(" · ".join(filter(None, [recovery.mode, recovery.replay, "in progress"])), style="yellow")
     return Panel(
         grid,
         title=title,

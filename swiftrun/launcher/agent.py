@@ -389,7 +389,8 @@ class Agent:
                 elif phase in rec.phase_start and not rec.done:
                     phases.append(PhaseView(phase, None))
             recovery = RecoveryView(rec.generation, rec.failed_ranks, rec.cause, tuple(phases), rec.mode,
-                                    rec.source_rank, rec.done, rec.total)
+                                    rec.source_rank, rec.done, rec.total,
+                                    None if rec.done else rec.replay)
         steps_per_s = self._steps_per_s()
         samples = None
         rank0 = job.slot_of_rank(0)

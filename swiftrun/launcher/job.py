@@ -114,6 +114,7 @@ class Recovery:
     source_rank: int | None = None
     done: bool = False
     total: float | None = None
+    replay: str | None = None  # progress of a pipeline stage's replay, for the dashboard
 
 
 class Job:
@@ -239,6 +240,8 @@ class Job:
             if kind is EventKind.JOINING:
                 slot.joined = True
             return self._advance_recovery(now)
+        if kind is EventKind.REPLAYING:
+            return self._on_replay_progress(slot, gen, data, now)
         if kind is EventKind.RECOVERED:
             if gen == self.generation:
                 slot.recovered_gen = gen
@@ -672,13 +675,34 @@ class Job:
             actions += self._maybe_release(now)
         return actions
 
+    def _on_replay_progress(self, slot: Slot, gen: int, data: dict[str, Any], now: float) -> list[Action]:
+        """A pipeline stage replays towards the recovery point: while it makes progress its recovery deadline
+        moves (a replay runs up to a checkpoint interval of steps, far longer than a transfer)."""
+        rec = self.recovery
+        if rec is None or gen != self.generation:
+            return []
+        rec.deadline = now + self.config.timeouts.recovery_timeout
+        step, first, last = (int(data.get(k, -1)) for k in ("step", "first", "last"))
+        rec.replay = f"rank {slot.rank}: step {step} of {first}..{last}"
+        actions: list[Action] = []
+        if RecoveryPhase.REPLAY not in rec.phase_start:
+            rec.phase_start[RecoveryPhase.REPLAY] = now
+            rec.mode = "replay"
+            actions.append(Note(f"rank {slot.rank} replays its pipeline stage: steps {first}..{last} from its "
+                                "stage checkpoint and its neighbours' logs"))
+        if step == first:
+            actions.append(Record(EventName.REPLAY, {"generation": gen, "rank": slot.rank, "first": first,
+                                                     "last": last}))
+        return actions
+
     def _worker_phases(self, now: float) -> list[Action]:
         """Fold the phase timings the ranks measured (rebuild, consensus, undo, transfer) into the record."""
         rec = self.recovery
         assert rec is not None
         actions: list[Action] = []
         datas = [s.recovery_data for s in self._rank_slots() if s.recovery_data]
-        for phase in (RecoveryPhase.REBUILD, RecoveryPhase.CONSENSUS, RecoveryPhase.UNDO, RecoveryPhase.TRANSFER):
+        for phase in (RecoveryPhase.REBUILD, RecoveryPhase.CONSENSUS, RecoveryPhase.UNDO, RecoveryPhase.TRANSFER,
+                      RecoveryPhase.REPLAY):
             durations = [float(d["phases"][phase.value]) for d in datas if phase.value in d.get("phases", {})]
             if durations:
                 rec.phase_duration[phase] = max(durations)

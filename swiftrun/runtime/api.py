@@ -53,10 +53,12 @@ class Run:
         pipeline: this rank's pipeline stage(s): a ``torch.distributed.pipelining`` schedule (or its
             ``PipelineStage``) whose stage boundaries are logged, so that a stage without a data-parallel replica
             is rebuilt by replaying it from its last stage checkpoint (docs/ARCHITECTURE.md, "Pipelines").
+        checkpoint_every: steps between a pipeline's stage checkpoints (kept in the next stage's memory); a
+            lost stage replays at most this many steps. Default: ``SWIFTRUN_CKPT_EVERY`` or 20.
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
-                 state: Any = None, pipeline: Any = None) -> None:
+                 state: Any = None, pipeline: Any = None, checkpoint_every: int | None = None) -> None:
         self._rt = process.current()
         self._next = 0
         self._total = 0
@@ -73,7 +75,8 @@ class Run:
         from swiftrun.runtime.recovery import Recovery
         from swiftrun.runtime.registry import _as_list  # noqa: PLC2701
 
-        self._recovery = Recovery(self._rt, model, _as_list(optimizer), _as_list(scheduler), scaler, state)
+        self._recovery = Recovery(self._rt, model, _as_list(optimizer), _as_list(scheduler), scaler, state,
+                                  pipeline=pipeline, checkpoint_every=checkpoint_every)
         self._next = self._recovery.start()
 
     @property

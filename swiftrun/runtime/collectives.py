@@ -113,6 +113,11 @@ def _call(rec: Recovery, name: str, fn: Callable[..., Any], args: tuple, kwargs:
             if not _peer_failure(exc) and not rec._aborted():
                 raise
             return _skip(name, args, kwargs, "a peer failed after training had completed")
+    pipeline = rec.pipeline
+    if pipeline is not None and pipeline.replay is not None:  # this rank runs alone: nobody would answer
+        if rec.in_step:
+            return pipeline.collective(name, fn, args, kwargs)
+        return _skip(name, args, kwargs, "this rank was replaying its pipeline stage alone")
     if rec.aborted_iteration:
         return _skip(name, args, kwargs, "a recovery interrupted this iteration")
     if rec.in_step:
@@ -121,6 +126,8 @@ def _call(rec: Recovery, name: str, fn: Callable[..., Any], args: tuple, kwargs:
         if not rec.in_guard:
             _say_once(name, "is issued inside a step but before `with run.guard()`: a failure there cannot be "
                             "recovered in place; move it into the guarded body")
+        if pipeline is not None:  # its result is logged: a stage that replays later cannot recompute it alone
+            return pipeline.collective(name, fn, args, kwargs)
         return fn(*args, **kwargs)
     if rec.in_guard:  # a second guard after the step (evaluation): the guard repairs a failure
         return fn(*args, **kwargs)

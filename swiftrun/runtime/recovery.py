@@ -30,6 +30,8 @@ from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
 from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.buffers import BroadcastBuffers
+from swiftrun.runtime.pipeline import Pipeline
+from swiftrun.runtime.pp_plan import PipePlan, plan_pipeline
 from swiftrun.runtime.process import ProcessRuntime, warn
 from swiftrun.runtime.registry import Registry, RegistrationError
 from swiftrun.runtime.txn import Transaction, rng_state, set_rng_state
@@ -43,7 +45,7 @@ _PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "timed out", "
 
 class Recovery:
     def __init__(self, rt: ProcessRuntime, model: Any, optimizers: list, schedulers: list, scaler: Any,
-                 user_state: Any) -> None:
+                 user_state: Any, pipeline: Any = None, checkpoint_every: int | None = None) -> None:
         self.rt = rt
         self.link = rt.link
         self.rank = dist.get_rank()
@@ -54,8 +56,15 @@ class Recovery:
             log.info(note)
         for message in verify.registration_warnings(self.reg):
             warn(f"{message}: a recovery cannot restore its state exactly")
+        # stages of a pipeline are not replicas: a stage one update ahead of the others must undo it, possibly
+        # after its step completed (so the last step's records and gradients are kept, as in undo mode)
+        self.pipeline: Pipeline | None = None
+        if pipeline is not None:
+            every = checkpoint_every or _env_int("SWIFTRUN_CKPT_EVERY", DEFAULT_CHECKPOINT_EVERY)
+            self.pipeline = Pipeline(self, pipeline, every)
+        self.keep_last_update = self.mode == "undo" or self.pipeline is not None
         # undo mode may undo a completed step, whose start is one snapshot older than the current step's
-        self.txn = Transaction(self.reg, keep=2 if self.mode == "undo" else 1)
+        self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
         init = rt.init_kwargs or {}
         backend = init.get("backend") or dist.get_backend()
         self.group = GroupManager(self.rank, self.world_size, backend, init.get("timeout"), init.get("device_id"))
@@ -116,6 +125,9 @@ class Recovery:
         if self.verify_next or (self.verify_every and step > 0 and step % self.verify_every == 0):
             if not self._verify_between_steps(step):
                 return False
+        if self.pipeline is not None:
+            if not self._pipeline_step_start(step):
+                return False
         self.step = step
         self.in_step = True
         self.aborted_iteration = False
@@ -141,7 +153,7 @@ class Recovery:
             self._warn_once(f"unregistered:{names}", (
                 f"an optimizer not passed to swiftrun.Run stepped ({names}); its state does not travel to a "
                 "replacement, so recovery would not be exact: pass it with swiftrun.Run(optimizer=[...])"))
-        if self.mode != "undo":
+        if not self.keep_last_update:
             # nobody will ever need to undo a completed step: roll-forward takes a completed rank's state
             self._records.clear()
         else:
@@ -167,6 +179,10 @@ class Recovery:
         """Whether an exception in a step comes from a peer's failure (recover) rather than from the script."""
         if self._aborted():
             return True
+        if isinstance(exc, RecoveryError) and self.pipeline is not None and self.pipeline.replay is not None:
+            # the replay cannot be completed exactly (a log is missing): a refusal, said by the launcher
+            self.link.send_event(EventKind.UNRECOVERABLE, gen=self.generation, reason=str(exc))
+            return self.link.wait_for(lambda: self._aborted(), timeout=self._recovery_timeout())
         if isinstance(exc, (faults.InjectedFault, KeyboardInterrupt, SystemExit, RegistrationError)):
             return False
         text = str(exc).lower()
@@ -192,6 +208,9 @@ class Recovery:
         """Run the recovery for the newest aborted generation; returns the step to run next."""
         self._settle()
         self.aborted_iteration = True
+        if self.pipeline is not None and self.pipeline.replay is not None:
+            self.pipeline.replay = None  # a replay interrupted by a newer failure: this state is not valid yet
+            self.valid = False
         while True:
             gen = self.link.generation
             started = time.monotonic()
@@ -219,6 +238,12 @@ class Recovery:
                     continue
                 raise
             phases["total_local"] = time.monotonic() - started
+            if self.pipeline is not None and self.pipeline.replay is not None:
+                # this rank replays its stage alone first; it reports RECOVERED when the replay reaches the point
+                self.pipeline.replay.update(gen=gen, phases=phases, plan=plan.as_dict())
+                self.generation = gen
+                self.joining = False
+                return self.next_step
             log.debug("generation %d recovered: %s %s", gen, plan.as_dict(), phases)
             self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=plan.as_dict())
             self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
@@ -251,12 +276,14 @@ class Recovery:
         if snap is not None:
             self.txn.restore(snap)
 
-    def _recover_generation(self, gen: int) -> tuple[Plan, dict[str, float]]:
+    def _recover_generation(self, gen: int) -> tuple[Plan | PipePlan, dict[str, float]]:
         phases: dict[str, float] = {}
         t = time.monotonic()
         self.group.build(gen, self._connect_timeout())
         faults.fire("recover", max(self.step, 0))
         phases["rebuild"] = time.monotonic() - t
+        if self.pipeline is not None:
+            return self._recover_pipeline(phases), phases
 
         t = time.monotonic()
         plan = self._consensus()
@@ -284,6 +311,95 @@ class Recovery:
             raise RecoveryError("replicas differ after the recovery: " + verify.describe(mismatches))
         self.verify_next = plan.verify_next
         return plan, phases
+
+    def _recover_pipeline(self, phases: dict[str, float]) -> PipePlan:
+        """The pipeline's recovery: one point for every stage; a stage with a surviving replica copies it, a
+        stage without one is replayed by its replacement (see runtime/pp_plan.py)."""
+        pp = self.pipeline
+        assert pp is not None
+        t = time.monotonic()
+        mine = pp.status(self.valid, self.position, not self.partial, self._undoable(),
+                         not self.joining and not self.partial and self.step == self.completed)
+        rows: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rows, mine)
+        plan = plan_pipeline(rows)
+        phases["consensus"] = time.monotonic() - t
+
+        t = time.monotonic()
+        if self.rank in plan.undo:
+            self._undo_last_update()
+        phases["undo"] = time.monotonic() - t
+
+        t = time.monotonic()
+        device = self.group.device()
+        own_rng = self.txn.rng_for(plan.point + 1)
+        for source, targets in plan.copies:  # every rank creates every group, in the same order
+            members = sorted({source, *targets})
+            group = self.group.new_group(members)
+            if self.rank in members:
+                st.transfer(self.reg, source, self.rank, group, device, self.chunk_bytes)
+                box: list[Any] = [own_rng or rng_state()]
+                dist.broadcast_object_list(box, src=source, group=group,
+                                           device=device if device.type == "cuda" else None)
+                if self.rank != source:
+                    own_rng = box[0]
+        replaying = None
+        for replay in plan.replays:
+            if self.rank == replay.rank:
+                pp.receive_replay(replay, plan.point)
+                replaying = replay
+            elif self.rank == replay.holder or self.rank in replay.peers:
+                pp.serve_replay(replay, plan.point)
+        phases["transfer"] = time.monotonic() - t
+        self._records.clear()
+        self.reg.clear_grads()
+        pp.drop_after(plan.point)
+        pp.reset_schedule()
+        pp.force_checkpoint = True  # the replacement lost what it held for its neighbours: exchange again
+        if replaying is not None:
+            self.completed, self.partial, self.valid = replaying.start - 1, False, False
+            self.next_step = replaying.start
+        else:
+            self.completed, self.partial, self.valid = plan.point, False, True
+            self.next_step = plan.point + 1
+            if own_rng is not None:
+                set_rng_state(own_rng)
+        self.verify_next = False  # stages are not replicas: their states are not compared
+        return plan
+
+    def _pipeline_step_start(self, step: int) -> bool:
+        """A pipeline's step start: end a finished replay, then checkpoint when due. False: recover first."""
+        pp = self.pipeline
+        assert pp is not None
+        if pp.replay is not None:
+            if step > pp.replay["until"]:
+                if not self._end_replay():
+                    return False
+            else:
+                self.link.send_event(EventKind.REPLAYING, gen=self.generation, step=step,
+                                     first=pp.replay["start"], last=pp.replay["until"])
+        try:
+            with collectives.internal():
+                pp.begin_step(step)
+        except Exception:  # noqa: BLE001 - a peer died during the checkpoint exchange: recover first
+            if self._wait_for_abort():
+                return False
+            raise
+        return True
+
+    def _end_replay(self) -> bool:
+        """The replay reached the recovery point: report RECOVERED and wait with everyone for RESUME."""
+        pp = self.pipeline
+        assert pp is not None and pp.replay is not None
+        replay = pp.replay
+        gen = replay["gen"]
+        phases = dict(replay["phases"])
+        phases["replay"] = pp.end_replay()
+        phases["total_local"] = phases.get("total_local", 0.0) + phases["replay"]
+        self.valid = True
+        self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=replay["plan"])
+        self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
+        return self.link.generation == gen
 
     @property
     def position(self) -> int:
@@ -337,6 +453,8 @@ class Recovery:
     def _verify_between_steps(self, step: int) -> bool:
         """Compare every rank's whole state before ``step``; False if a peer failed meanwhile (recover first)."""
         self.verify_next = False
+        if self.pipeline is not None:
+            return True  # a pipeline's stages hold different states by design
         try:
             with collectives.internal():
                 # between steps the buffers DDP broadcasts differ by design (each rank's own batch updated them)
@@ -386,7 +504,8 @@ class Recovery:
                 self._records.setdefault(self.step, {})[index] = undo.StepRecord(
                     id(optimizer), (), unavailable_reason="the optimizer stepped twice in one iteration")
             elif undo.invertible(optimizer)[0]:
-                self._records.setdefault(self.step, {})[index] = undo.capture(optimizer, copy_grads=self.mode == "undo")
+                self._records.setdefault(self.step, {})[index] = undo.capture(optimizer,
+                                                                              copy_grads=self.keep_last_update)
         return pre_hook
 
     def _make_post_hook(self, index: int):
@@ -454,6 +573,8 @@ class Recovery:
         """Every rank waits here until all finished (so a late failure can still be repaired in place).
 
         Returns None when released, or the step to resume at after a recovery."""
+        if self.pipeline is not None and self.pipeline.replay is not None and not self._end_replay():
+            return self.recover()  # a failure during the replay of the last steps
         gen = self.generation
         self.link.send_event(EventKind.FINISHING, gen=gen, completed=self.completed)
         self.link.wait_for(lambda: self._command_for(CommandKind.RELEASE, gen) or self._aborted())
@@ -466,6 +587,7 @@ class Recovery:
 
 
 _warned: set[str] = set()
+DEFAULT_CHECKPOINT_EVERY = 20  # steps between stage checkpoints of a pipeline (Run(checkpoint_every=...))
 
 
 def _env_int(name: str, default: int) -> int:

@@ -1,0 +1,423 @@
+"""Pipeline stages made recoverable: what crosses a stage boundary is logged, every stage is checkpointed into a
+neighbour's memory, and a stage nobody else holds is rebuilt by replaying it alone (docs/ARCHITECTURE.md,
+"Pipelines"; measured facts in ../shared/design/PIPELINE.md).
+
+Interception (torch.distributed.pipelining, torch 2.13): every schedule gets its point-to-point operations only
+from a stage's four factories ``get_fwd_recv_ops``, ``get_bwd_recv_ops``, ``get_fwd_send_ops`` and
+``get_bwd_send_ops``, which carry the micro-batch index. They are wrapped per stage instance:
+
+- live: each *sent* tensor is copied into the log under (step, "act"|"grad", from stage, to stage, micro-batch,
+  ordinal); the operations go out unchanged;
+- replay: a receive is served from the log a neighbour handed over (copied into the stage's existing receive
+  buffer) and returns no operation; a send is computed (the backward factory pops the stage's cache) and dropped.
+
+Dropout must draw the same masks in a replay as in the lost run, whatever order the micro-batches run in, so each
+``forward_one_chunk`` runs under ``fork_rng`` seeded from (the script's seed, step, stage, micro-batch): the
+global RNG streams are left untouched. The per-iteration results of the script's own collectives inside a step
+(a global grad norm all-reduced over stages for clipping) are logged too: a replaying stage cannot recompute them
+alone, so they are served to it from a neighbour's log.
+
+Stage checkpoints: at every ``checkpoint_every``-th step start (and at the first step after a recovery), each rank
+serialises its registered state and RNG and sends it to the next rank of its pipeline, which keeps it in memory
+(the last stage's goes to the first). A lost stage is rebuilt from that copy with no disk read. Logs older than
+the previous checkpoint are dropped one step after the new checkpoint was exchanged (by then every neighbour has
+finished the exchange, so no replay can need them).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from swiftrun.errors import RecoveryError
+from swiftrun.runtime import state as st
+from swiftrun.runtime.pp_plan import StageStatus
+from swiftrun.runtime.registry import RegistrationError
+from swiftrun.runtime.txn import rng_state, set_rng_state
+
+log = logging.getLogger("swiftrun.runtime")
+
+Key = tuple  # (step, kind, from_stage, to_stage, micro-batch, ordinal)
+_TAG_SIZE, _TAG_DATA = 0x5717, 0x5718  # checkpoint exchange tags, apart from the schedule's own (tag 0)
+_LOGGED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier")
+
+
+def stages_of(spec: Any) -> tuple[Any, list[Any]]:
+    """(schedule or None, stages) from what ``Run(pipeline=...)`` was given."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    items = spec if isinstance(spec, (list, tuple)) else [spec]
+    schedule, stages = None, []
+    for item in items:
+        if isinstance(item, PipelineScheduleSingle):
+            schedule, stages = item, stages + [item._stage]
+        elif isinstance(item, PipelineScheduleMulti):
+            schedule, stages = item, stages + list(item._stages)
+        elif isinstance(item, _PipelineStageBase):
+            stages.append(item)
+        else:
+            raise RegistrationError(
+                f"swiftrun.Run(pipeline=...) takes a torch.distributed.pipelining schedule or PipelineStage(s), got "
+                f"{type(item).__name__}")
+    for stage in stages:
+        if getattr(stage, "_user_meta", None) is None or stage._user_meta.inputs is None:
+            raise RegistrationError(
+                f"pipeline stage {stage.stage_index} has no static shapes: build PipelineStage with input_args= "
+                "and output_args= (a replacement joins survivors whose shape inference already ran, so it cannot "
+                "run the pipeline-wide inference again)")
+    return schedule, stages
+
+
+class Pipeline:
+    """One rank's pipeline stages under swiftrun: logging, checkpoints, replay."""
+
+    def __init__(self, rec: Any, spec: Any, checkpoint_every: int) -> None:
+        self.rec = rec
+        self.schedule, self.stages = stages_of(spec)
+        self.seed = torch.initial_seed()
+        self.every = max(1, int(checkpoint_every))
+        self.log: dict[Key, torch.Tensor] = {}
+        self.log_bytes = 0
+        self.coll: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._coll_seq = 0
+        self.log_start = 0  # the oldest step whose sends are still logged
+        self._gc_at: int | None = None  # drop logs below this step at the next step start after it
+        self.held: tuple[int, int, torch.Tensor] | None = None  # (for rank, step, serialised checkpoint)
+        self.force_checkpoint = False
+        self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
+        self.volume: dict[tuple[int, int], int] = {}  # (from, to) stage -> bytes logged in the last full step
+        self._volume_step = -1
+        self._volume_now: dict[tuple[int, int], int] = {}
+        for stage in self.stages:
+            self._wrap(stage)
+
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        return tuple(sorted(s.stage_index for s in self.stages))
+
+    def pipe_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's pipeline, in the order of their first stage."""
+        stage = self.stages[0]
+        ranks: list[int] = []
+        for index in range(stage.num_stages):
+            rank = stage._resolve_peer_global_rank(index)
+            if rank not in ranks:
+                ranks.append(rank)
+        return tuple(ranks)
+
+    def _neighbours(self) -> tuple[int, int]:
+        """(previous, next) rank in the pipeline's ring: the next one holds this rank's checkpoint."""
+        pipe = self.pipe_ranks()
+        me = pipe.index(self.rec.rank)
+        return pipe[me - 1], pipe[(me + 1) % len(pipe)]
+
+    # ------------------------------------------------------------------ interception
+
+    def _wrap(self, stage: Any) -> None:
+        fwd_recv, bwd_recv = stage.get_fwd_recv_ops, stage.get_bwd_recv_ops
+        fwd_send, bwd_send = stage.get_fwd_send_ops, stage.get_bwd_send_ops
+        forward = stage.forward_one_chunk
+        index = stage.stage_index
+
+        def sends(original: Callable, kind: str, to: int) -> Callable:
+            def factory(mb: int, *args: Any, **kwargs: Any) -> list:
+                ops = original(mb, *args, **kwargs)  # always: the backward factory pops the stage's cache
+                step = self.rec.step
+                for ordinal, op in enumerate(ops):
+                    self._record((step, kind, index, to, mb, ordinal), op.tensor)
+                return [] if self.replay is not None else ops
+            return factory
+
+        def receives(original: Callable, kind: str, infos: Callable[[], dict]) -> Callable:
+            def factory(mb: int, *args: Any, **kwargs: Any) -> list:
+                if self.replay is None:
+                    return original(mb, *args, **kwargs)
+                self._serve(kind, index, mb, infos().get(mb, ()))
+                return []
+            return factory
+
+        def seeded_forward(mb: int, *args: Any, **kwargs: Any) -> Any:
+            devices = [stage.device] if torch.device(stage.device).type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(_mix(self.seed, self.rec.step, index, mb))
+                return forward(mb, *args, **kwargs)
+
+        stage.get_fwd_send_ops = sends(fwd_send, "act", index + 1)
+        stage.get_bwd_send_ops = sends(bwd_send, "grad", index - 1)
+        stage.get_fwd_recv_ops = receives(fwd_recv, "act", lambda: stage.args_recv_info)
+        stage.get_bwd_recv_ops = receives(bwd_recv, "grad", lambda: stage.grad_recv_info)
+        stage.forward_one_chunk = seeded_forward
+
+    def _record(self, key: Key, tensor: torch.Tensor) -> None:
+        copy = _host_copy(tensor)
+        old = self.log.get(key)
+        if old is not None:
+            self.log_bytes -= old.numel() * old.element_size()
+        self.log[key] = copy
+        nbytes = copy.numel() * copy.element_size()
+        self.log_bytes += nbytes
+        if key[0] != self._volume_step:
+            if self._volume_now:
+                self.volume = self._volume_now
+            self._volume_now, self._volume_step = {}, key[0]
+        boundary = (key[2], key[3])
+        self._volume_now[boundary] = self._volume_now.get(boundary, 0) + nbytes
+
+    def _serve(self, kind: str, index: int, mb: int, infos: tuple) -> None:
+        assert self.replay is not None
+        step = self.rec.step
+        ordinals: dict[int, int] = {}
+        with torch.no_grad():
+            for info in infos:
+                if info.is_root_arg or info.buffer is None:
+                    continue
+                ordinal = ordinals.get(info.source, 0)
+                ordinals[info.source] = ordinal + 1
+                key = (step, kind, info.source, index, mb, ordinal)
+                value = self.replay["log"].get(key)
+                if value is None:
+                    raise RecoveryError(f"replay of stage {index}: the {kind} of step {step}, micro-batch {mb} from "
+                                        f"stage {info.source} is not in the neighbours' logs")
+                info.buffer.copy_(value)
+
+    # ------------------------------------------------------------------ the script's collectives in a step
+
+    def collective(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A collective inside a step: logged live, served from the log in a replay."""
+        key = (self.rec.step, self._coll_seq)
+        self._coll_seq += 1
+        outputs = _outputs(name, args, kwargs)
+        if self.replay is not None:
+            if name not in _LOGGED_COLLECTIVES:
+                raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step (only {', '.join(_LOGGED_COLLECTIVES)} are logged)")
+            logged = self.replay["coll"].get(key)
+            if logged is None or len(logged) != len(outputs):
+                raise RecoveryError(f"replay: the result of dist.{name} (call {key[1]} of step {key[0]}) is not "
+                                    "in the neighbours' logs")
+            with torch.no_grad():
+                for out, value in zip(outputs, logged):
+                    out.copy_(value)
+            from swiftrun.runtime.collectives import _Done
+
+            return _Done() if kwargs.get("async_op") else None
+        result = fn(*args, **kwargs)
+        if kwargs.get("async_op") and result is not None:
+            result.wait()  # its value is logged now; the caller's wait() on a completed work returns at once
+        if name in _LOGGED_COLLECTIVES:
+            self.coll[key] = [_host_copy(t) for t in outputs]
+        return result
+
+    # ------------------------------------------------------------------ step boundaries
+
+    def begin_step(self, step: int) -> None:
+        """Garbage-collect logs, and exchange stage checkpoints when one is due (may raise on a peer failure)."""
+        self._coll_seq = 0
+        if self.replay is not None:
+            return
+        if self._gc_at is not None and step > self._gc_at:
+            self._drop_before(self._gc_at)
+            self._gc_at = None
+        if step % self.every == 0 or self.force_checkpoint:
+            self._exchange(step)
+            self.force_checkpoint = False
+            self._gc_at = step
+
+    def _drop_before(self, step: int) -> None:
+        for key in [k for k in self.log if k[0] < step]:
+            t = self.log.pop(key)
+            self.log_bytes -= t.numel() * t.element_size()
+        for key in [k for k in self.coll if k[0] < step]:
+            del self.coll[key]
+        self.log_start = step
+
+    def drop_after(self, step: int) -> None:
+        """Sends of steps past the recovery point will be made again (same values): forget the old ones."""
+        for key in [k for k in self.log if k[0] > step]:
+            t = self.log.pop(key)
+            self.log_bytes -= t.numel() * t.element_size()
+        for key in [k for k in self.coll if k[0] > step]:
+            del self.coll[key]
+
+    def _exchange(self, step: int) -> None:
+        """Send this rank's checkpoint of ``step`` to the next rank of the pipeline; keep the previous rank's."""
+        prev, nxt = self._neighbours()
+        if prev == self.rec.rank:
+            return  # a one-rank pipeline has nobody to hold its checkpoint (a DP-only job never gets here)
+        started = time.monotonic()
+        data = _to_bytes({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
+        received = _swap(data, nxt, prev, self.rec.group.device())
+        self.held = (prev, step, received)
+        log.debug("stage checkpoint of step %d exchanged (%d bytes out, %d in) in %.3fs", step, data.numel(),
+                  received.numel(), time.monotonic() - started)
+
+    # ------------------------------------------------------------------ recovery
+
+    def status(self, valid: bool, updates: int, boundary: bool, undoable: bool, outside: bool) -> StageStatus:
+        held_for, held_step = (self.held[0], self.held[1]) if self.held is not None else (-1, -1)
+        return StageStatus(self.rec.rank, valid, updates, boundary, undoable, self.stage_indices, self.pipe_ranks(),
+                           held_for, held_step, self.log_start, outside)
+
+    def serve_replay(self, replay: Any, point: int) -> None:
+        """Send the replaying rank what this rank holds for it: its checkpoint, and the logged sends to its
+        stages and the logged collective results of the steps it replays."""
+        theirs: dict[str, Any] = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # logged copies to pinned memory are asynchronous
+        if self.rec.rank == replay.holder:
+            assert self.held is not None and self.held[0] == replay.rank
+            theirs["checkpoint"] = self.held[2]
+        if self.rec.rank in replay.peers:
+            theirs["log"] = {k: v for k, v in self.log.items() if replay.start <= k[0] <= point and k[3] in replay.stages}
+            theirs["coll"] = {k: v for k, v in self.coll.items() if replay.start <= k[0] <= point}
+        _send_obj(theirs, replay.rank, self.rec.group.device())
+
+    def receive_replay(self, replay: Any, point: int) -> None:
+        """The replacement: install the checkpoint, collect the logs, and enter replay mode until ``point``."""
+        log_: dict[Key, torch.Tensor] = {}
+        coll: dict[tuple[int, int], list[torch.Tensor]] = {}
+        checkpoint = None
+        for sender in sorted({replay.holder, *replay.peers}):
+            got = _recv_obj(sender, self.rec.group.device())
+            checkpoint = got.get("checkpoint", checkpoint)
+            log_.update(got.get("log", {}))
+            for k, v in got.get("coll", {}).items():
+                coll.setdefault(k, v)
+        if checkpoint is None:
+            raise RecoveryError(f"rank {replay.holder} did not send the stage checkpoint it holds")
+        loaded = torch.load(io.BytesIO(checkpoint.cpu().numpy().tobytes()), weights_only=False)
+        if loaded["step"] != replay.start:
+            raise RecoveryError(f"the stage checkpoint received is of step {loaded['step']}, not {replay.start}")
+        st.install(self.rec.reg, loaded["tree"])
+        set_rng_state(loaded["rng"])
+        self.replay = {"start": replay.start, "until": point, "log": log_, "coll": coll,
+                       "started": time.monotonic()}
+        self.log.clear()
+        self.coll.clear()
+        self.log_bytes = 0
+        self.log_start = replay.start
+
+    def end_replay(self) -> float:
+        assert self.replay is not None
+        took = time.monotonic() - self.replay["started"]
+        self.replay = None
+        self.force_checkpoint = True
+        return took
+
+    def reset_schedule(self) -> None:
+        """After an aborted iteration: forget the schedule's half-finished state, and make sure every stage counts
+        as initialised (a replacement must not run the pipeline-wide warm-up and shape inference again, and its
+        survivors will not)."""
+        schedule = self.schedule
+        for stage in self.stages:
+            stage.clear_runtime_states()
+            stage.fwd_cache.clear()
+            stage.bwd_cache.clear() if hasattr(stage, "bwd_cache") else None
+        if schedule is None:
+            return
+        if hasattr(schedule, "_internal_losses"):
+            schedule._internal_losses.clear()
+        n = schedule._n_microbatches
+        has_backward = schedule._has_backward
+        single = hasattr(schedule, "_stage_forward_initialized")
+        fwd = schedule._stage_forward_initialized if single else schedule._stages_forward_initialized
+        bwd = schedule._stage_backward_initialized if single else schedule._stages_backward_initialized
+        if fwd and (bwd or not has_backward):
+            return
+        from torch.distributed.pipelining._utils import InferenceMode
+
+        for stage in self.stages:
+            stage._inference_mode = InferenceMode.STATIC
+            stage.has_backward = has_backward
+            stage._prepare_forward_infra(n, None, None, has_backward=has_backward)
+        if has_backward:
+            for stage in reversed(self.stages):
+                stage._prepare_backward_infra(n, loss_fn=schedule._loss_fn, target=None)
+        if single:
+            schedule._stage_forward_initialized = True
+            schedule._stage_backward_initialized = has_backward
+        else:
+            schedule._stages_forward_initialized = True
+            schedule._stages_backward_initialized = has_backward
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _mix(seed: int, step: int, stage: int, mb: int) -> int:
+    """A dropout seed per (script seed, step, stage, micro-batch): splitmix64-style, stable across processes."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stage * 0x94D049BB133111EB + mb) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    return (x ^ (x >> 32)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    if t.is_cuda:
+        # off the critical path: a pinned host buffer filled by an asynchronous copy
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+    return t.clone()
+
+
+def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a collective writes (its result), by torch.distributed's signatures."""
+    def arg(i: int, key: str) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key)
+
+    if name in ("all_reduce", "broadcast"):
+        return [arg(0, "tensor")]
+    if name == "all_gather":
+        return list(arg(0, "tensor_list"))
+    if name == "all_gather_into_tensor":
+        return [arg(0, "output_tensor")]
+    if name == "barrier":
+        return []
+    return []
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def _swap(data: torch.Tensor, to: int, frm: int, device: torch.device) -> torch.Tensor:
+    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (a ring step)."""
+    tag = {} if device.type == "cuda" else {"tag": _TAG_SIZE}
+    size_out = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    size_in = torch.empty(1, dtype=torch.int64, device=device)
+    for work in (dist.isend(size_out, to, **tag), dist.irecv(size_in, frm, **tag)):
+        work.wait()
+    tag = {} if device.type == "cuda" else {"tag": _TAG_DATA}
+    inbound = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device)
+    for work in (dist.isend(data.to(device), to, **tag), dist.irecv(inbound, frm, **tag)):
+        work.wait()
+    return inbound.cpu()
+
+
+def _send_obj(obj: Any, to: int, device: torch.device) -> None:
+    data = _to_bytes(obj).to(device)
+    tag = {} if device.type == "cuda" else {"tag": _TAG_SIZE}
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), to, **tag)
+    tag = {} if device.type == "cuda" else {"tag": _TAG_DATA}
+    dist.send(data, to, **tag)
+
+
+def _recv_obj(frm: int, device: torch.device) -> Any:
+    tag = {} if device.type == "cuda" else {"tag": _TAG_SIZE}
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, frm, **tag)
+    tag = {} if device.type == "cuda" else {"tag": _TAG_DATA}
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(data, frm, **tag)
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
