@@ -61,7 +61,11 @@ _PROFILE_KEYS = {
 }  # fmt: skip
 _STAGE_KEYS = {"compute_seconds", "boundary_bytes"}
 
-app = typer.Typer(add_completion=False, help="Choose which pipeline boundaries to log under a storage budget.")
+app = typer.Typer(
+    add_completion=False,
+    help="Choose which pipeline boundaries to log under a storage budget.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
 
 # --- input ------------------------------------------------------------------------------------------------------

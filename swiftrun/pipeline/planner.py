@@ -51,8 +51,8 @@ Both count the replay only. Detection, respawn and checkpoint loading cost the s
 neighbours' undo and the live redo of the interrupted iteration last one iteration whatever the plan, so they
 are left out: they shift every plan's time equally and never change the choice.
 
-Splitting a group ``G = A + B`` at a logged boundary lowers the expected time by ``P(A) R(G) - P(A) R(A) + P(B)
-R(G) - P(B) R(B)``, which is positive whenever stages have positive times and weights: with an unlimited budget
+Splitting a group ``G = A + B`` at a logged boundary lowers the expected time by ``K/2 * (P(A) (R(G) - R(A)) +
+P(B) (R(G) - R(B)))``, which is positive whenever stages have positive times and weights: with an unlimited budget
 every boundary is logged. At the other end, logging nothing leaves one group of all stages: any failure makes
 every stage reload its checkpoint and replay up to ``K`` iterations, which is the rollback of a global checkpoint
 restart (only the surviving processes are spared a restart); :attr:`LoggingPlan.logs_nothing` flags it.

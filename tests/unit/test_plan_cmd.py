@@ -122,6 +122,16 @@ def test_shown_rows() -> None:
 # --- the profile file -------------------------------------------------------------------------------------------
 
 
+def test_the_readme_example_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    path = Path(__file__).resolve().parents[2] / "examples" / "pipeline_profile.json"
+    plan = choose_plan(load_profile(path), 100 * GiB)
+    assert plan.groups == ((0, 0), (1, 2), (3, 4), (5, 6), (7, 7))
+    assert plan.peak_log_bytes == 100 * GiB
+    code, out, _ = run(["--profile", str(path), "--log-budget", "100GiB"], capsys)
+    assert code == 0
+    assert "logging groups     [0] [1-2] [3-4] [5-6] [7]" in out
+
+
 def test_profile_round_trip(tmp_path: Path) -> None:
     plan_input = PlanInput.from_lists([0.4, 0.5, 0.45], [2**28, 2**27], ckpt_every=50, failure_weights=(1.0, 2.0, 1.0),
                                       replay_speedup=3.0, micro_batches=8, restart_seconds=120.0)  # fmt: skip
