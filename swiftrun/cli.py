@@ -696,7 +696,7 @@ SUBCOMMANDS = {"report": "swiftrun.report", "plan": "swiftrun.pipeline.plan_cmd"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: ``swiftrun [FLAGS] SCRIPT [ARGS...]``, ``swiftrun report ...``, ``swiftrun plan ...``."""
+    """Console-script entry point: ``swiftrun [FLAGS] SCRIPT [ARGS...]``, ``swiftrun report|plan ...``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         try:

@@ -373,7 +373,7 @@ def _fail(message: str, code: int) -> typer.Exit:
 def plan(
     profile: Annotated[
         Optional[Path],
-        typer.Option("--profile", metavar="FILE.json", help="Measured profile (schema: swiftrun/pipeline/plan_cmd.py)."),
+        typer.Option("--profile", metavar="FILE.json", help="Measured profile (schema: pipeline/plan_cmd.py)."),
     ] = None,
     stages: Annotated[
         Optional[str], typer.Option("--stages", metavar="T0,T1,...", help="Compute seconds per iteration per stage.")

@@ -158,7 +158,9 @@ class PlanInput:
                 f"not {self.stages[-1].boundary_bytes}"
             )
         if isinstance(self.ckpt_every, bool) or not isinstance(self.ckpt_every, int) or self.ckpt_every < 1:
-            raise PlanError(f"the checkpoint interval must be a whole number of iterations >= 1, not {self.ckpt_every!r}")
+            raise PlanError(
+                f"the checkpoint interval must be a whole number of iterations >= 1, not {self.ckpt_every!r}"
+            )
         if self.failure_weights is not None:
             weights = tuple(self.failure_weights)
             object.__setattr__(self, "failure_weights", weights)

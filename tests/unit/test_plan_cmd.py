@@ -90,7 +90,8 @@ def test_a_budget_too_small_warns_that_nothing_is_logged(capsys: pytest.CaptureF
 
 def test_options_reach_the_model(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--stages", "2,6", "--boundary-bytes", "5", "--ckpt-every", "10", "--failure-weights", "3,1",
-             "--replay-speedup", "2", "--micro-batches", "4", "--restart-seconds", "90", "--log-budget", "0"]  # fmt: skip
+             "--replay-speedup", "2", "--micro-batches", "4", "--restart-seconds", "90",
+             "--log-budget", "0"]  # fmt: skip
     code, out, _ = run(flags, capsys)
     assert code == 0
     assert "weighted failures" in out
@@ -156,8 +157,8 @@ def test_profile_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_flags_override_the_profile(tmp_path: Path) -> None:
-    path = write_profile(tmp_path / "p.json", {"ckpt_every": 100, "stages": [{"compute_seconds": 1, "boundary_bytes": 8},
-                                                                             {"compute_seconds": 1}]})  # fmt: skip
+    stages = [{"compute_seconds": 1, "boundary_bytes": 8}, {"compute_seconds": 1}]
+    path = write_profile(tmp_path / "p.json", {"ckpt_every": 100, "stages": stages})
     plan_input = build_input(profile=path, stages=None, boundary_bytes=None, ckpt_every=7, failure_weights="1,3",
                              replay_speedup=2.0, micro_batches=None, restart_seconds=None)  # fmt: skip
     assert plan_input.ckpt_every == 7

@@ -261,7 +261,8 @@ def test_curve_is_the_pareto_frontier(seed: int) -> None:
     plans = all_plans(plan_input)
     for point in curve:
         assert not any(
-            plan.peak_log_bytes <= point.peak_log_bytes and plan.expected_recovery_seconds < point.expected_recovery_seconds
+            plan.peak_log_bytes <= point.peak_log_bytes
+            and plan.expected_recovery_seconds < point.expected_recovery_seconds
             for plan in plans
         )
     for plan in plans:
