@@ -77,6 +77,7 @@ heuristic and can miss the optimum; the tests show instances where it does.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,10 +114,13 @@ class StageProfile:
     boundary_bytes: int = 0
 
     def __post_init__(self) -> None:
+        # Measurements may arrive as numpy scalars: store plain floats and ints.
         if not _finite_non_negative(self.compute_seconds):
             raise PlanError(f"compute_seconds must be a finite number >= 0, not {self.compute_seconds!r}")
-        if isinstance(self.boundary_bytes, bool) or not isinstance(self.boundary_bytes, int):
+        object.__setattr__(self, "compute_seconds", float(self.compute_seconds))
+        if not _whole(self.boundary_bytes):
             raise PlanError(f"boundary_bytes must be a whole number of bytes, not {self.boundary_bytes!r}")
+        object.__setattr__(self, "boundary_bytes", int(self.boundary_bytes))
         if self.boundary_bytes < 0:
             raise PlanError(f"boundary_bytes must be >= 0, not {self.boundary_bytes}")
 
@@ -157,25 +161,30 @@ class PlanInput:
                 f"the last stage (stage {len(self.stages) - 1}) has no next stage; its boundary_bytes must be 0, "
                 f"not {self.stages[-1].boundary_bytes}"
             )
-        if isinstance(self.ckpt_every, bool) or not isinstance(self.ckpt_every, int) or self.ckpt_every < 1:
+        if not _whole(self.ckpt_every) or self.ckpt_every < 1:
             raise PlanError(
                 f"the checkpoint interval must be a whole number of iterations >= 1, not {self.ckpt_every!r}"
             )
+        object.__setattr__(self, "ckpt_every", int(self.ckpt_every))
         if self.failure_weights is not None:
             weights = tuple(self.failure_weights)
-            object.__setattr__(self, "failure_weights", weights)
             if len(weights) != len(self.stages):
                 raise PlanError(f"{len(weights)} failure weights for {len(self.stages)} stages")
             if not all(_finite_non_negative(w) for w in weights):
                 raise PlanError(f"failure weights must be finite numbers >= 0, not {list(weights)}")
+            object.__setattr__(self, "failure_weights", tuple(float(w) for w in weights))
             if sum(weights) <= 0:
                 raise PlanError("failure weights must not all be 0")
         if not (_finite(self.replay_speedup) and self.replay_speedup >= 1):
             raise PlanError(f"the replay speed-up must be a number >= 1, not {self.replay_speedup!r}")
-        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+        object.__setattr__(self, "replay_speedup", float(self.replay_speedup))
+        if not _whole(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a whole number >= 1, not {self.micro_batches!r}")
-        if self.restart_seconds is not None and not _finite_non_negative(self.restart_seconds):
-            raise PlanError(f"restart_seconds must be a finite number >= 0, not {self.restart_seconds!r}")
+        object.__setattr__(self, "micro_batches", int(self.micro_batches))
+        if self.restart_seconds is not None:
+            if not _finite_non_negative(self.restart_seconds):
+                raise PlanError(f"restart_seconds must be a finite number >= 0, not {self.restart_seconds!r}")
+            object.__setattr__(self, "restart_seconds", float(self.restart_seconds))
         if sum(s.boundary_bytes for s in self.stages) * self.ckpt_every > _MAX_TOTAL_BYTES:
             raise PlanError("the log volume of every boundary over one checkpoint interval exceeds 2**62 bytes")
 
@@ -475,8 +484,12 @@ def format_size(num_bytes: int) -> str:
     return f"{value:.{digits}f} {unit}"
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _finite_non_negative(value: object) -> bool:

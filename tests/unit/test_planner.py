@@ -99,6 +99,18 @@ def test_one_micro_batch_model_is_the_sum_of_stage_times() -> None:
     assert evaluate(plan_input, []).worst_recovery_seconds == pytest.approx(2 * 6.0)
 
 
+def test_numpy_scalars_are_accepted_as_plain_numbers() -> None:
+    import numpy as np
+
+    stage = StageProfile(np.float32(1.5), np.int64(1024))  # type: ignore[arg-type]
+    assert stage == StageProfile(1.5, 1024)
+    assert type(stage.compute_seconds) is float and type(stage.boundary_bytes) is int
+    plan_input = PlanInput(stages=(stage, StageProfile(2.0)), ckpt_every=np.int64(10),  # type: ignore[arg-type]
+                           failure_weights=np.array([1.0, 2.0]), micro_batches=np.int32(2))  # type: ignore[arg-type]
+    assert plan_input == PlanInput(stages=(stage, StageProfile(2.0)), ckpt_every=10, failure_weights=(1.0, 2.0),
+                                   micro_batches=2)  # fmt: skip
+
+
 def test_single_stage_pipeline() -> None:
     plan = choose_plan(PlanInput(stages=(StageProfile(4.0),), ckpt_every=10), 0)
     assert plan.groups == ((0, 0),)
