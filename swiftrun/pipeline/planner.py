@@ -391,9 +391,9 @@ def _logged_of(frontiers: list[_Frontier], index: int) -> list[int]:
     return sorted(logged)
 
 
-def _check_budget(budget_bytes: float) -> int:
+def _check_budget(budget_bytes: int | float) -> int:
     """The budget as whole bytes, capped where no plan can reach (so int64 comparisons stay exact)."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):
         raise PlanError(f"the log budget must be a number of bytes, not {budget_bytes!r}")
     if math.isnan(budget_bytes):
         raise PlanError("the log budget must be a number of bytes, not NaN")
@@ -414,7 +414,7 @@ def choose_plan(plan_input: PlanInput, budget_bytes: int | float) -> LoggingPlan
     costs = _Costs(plan_input)
     frontiers = _search(costs, budget)
     final = frontiers[-1]
-    best = int(np.argmin(final.expected))  # the frontier falls strictly, so the last point; argmin says why
+    best = int(np.argmin(final.expected))  # the fastest within the budget (the last point: the frontier falls)
     return _make_plan(costs, _logged_of(frontiers, best))
 
 
