@@ -8,7 +8,8 @@ are accepted by the parser and then refused with an error naming them, never sil
 
 This module only parses. It builds the config and hands it to :func:`swiftrun.launcher.launch`; a
 :class:`~swiftrun.errors.SwiftrunError` from anywhere below becomes ``swiftrun: error: <message>`` and its exit
-code. ``swiftrun report ...`` is dispatched to :mod:`swiftrun.report`.
+code. ``swiftrun report ...`` is dispatched to :mod:`swiftrun.report`, ``swiftrun plan ...`` to
+:mod:`swiftrun.pipeline.plan_cmd`.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ FAULTS = "Fault injection (tests and demos)"
 EPILOG = (
     "Every torchrun flag is also read from PET_<NAME> (PET_NPROC_PER_NODE=4), swiftrun's own from "
     "SWIFTRUN_<NAME>; the command line wins. Underscored spellings (--nproc_per_node) work too.\n\n"
-    "Summarise a run recorded with --event-log EVENTLOG: swiftrun report EVENTLOG"
+    "Summarise a run recorded with --event-log EVENTLOG: swiftrun report EVENTLOG\n\n"
+    "Choose which pipeline boundaries to log under a storage budget: swiftrun plan --help"
 )
 
 
@@ -689,13 +691,17 @@ def _shutdown_timeout(flag: float | None) -> float:
 _normalize.learn(typer.main.get_command(app))
 
 
+# ``swiftrun NAME ...``: commands other than launching, each a module with ``main(argv) -> exit code``.
+SUBCOMMANDS = {"report": "swiftrun.report", "plan": "swiftrun.pipeline.plan_cmd"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: ``swiftrun [FLAGS] SCRIPT [ARGS...]`` or ``swiftrun report ...``."""
+    """Console-script entry point: ``swiftrun [FLAGS] SCRIPT [ARGS...]``, ``swiftrun report|plan ...``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "report":
+    if args and args[0] in SUBCOMMANDS:
         try:
             # import_module, not "from swiftrun import report": the package lazily exports a report() function
-            code = importlib.import_module("swiftrun.report").main(args[1:])
+            code = importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:])
         except SwiftrunError as err:
             print(f"swiftrun: error: {err}", file=sys.stderr)
             sys.exit(err.exit_code)

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: selective logging's planner (logging and replay come later)."""
