@@ -304,11 +304,13 @@ def _by_severity(item: tuple[WorkerState, int]) -> int:
 
 def _recovery_panel(recovery: RecoveryView, ongoing: bool) -> Panel:
     durations = {view.phase: view.duration for view in recovery.phases}
+    # a replay only happens to a pipeline stage without a replica: its column shows only then
+    shown = [p for p in RecoveryPhase if p is not RecoveryPhase.REPLAY or p in durations]
     grid = Table.grid(padding=(0, 3))
-    for _ in RecoveryPhase:
+    for _ in shown:
         grid.add_column(justify="left")
-    grid.add_row(*(Text(phase.value, style="bold") for phase in RecoveryPhase))
-    grid.add_row(*(_phase_cell(phase, durations, recovery.done) for phase in RecoveryPhase))
+    grid.add_row(*(Text(phase.value, style="bold") for phase in shown))
+    grid.add_row(*(_phase_cell(phase, durations, recovery.done) for phase in shown))
 
     which = "recovery" if ongoing or not recovery.done else "last recovery"
     title = Text(f"{which} · generation {recovery.generation} · {recovery.cause}", no_wrap=True, overflow="ellipsis")

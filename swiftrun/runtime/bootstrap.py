@@ -183,6 +183,9 @@ def main(argv: list[str]) -> None:
         process.install(runtime)
         if wenv.joining:
             _placeholder_process_group(runtime)
+        from swiftrun.runtime import subgroups
+
+        subgroups.install()  # the script's dist.new_group calls, recorded to be re-created after a recovery
     from swiftrun.runtime import faults
 
     faults.install(wenv)

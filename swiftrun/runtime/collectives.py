@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime import faults
+from swiftrun.runtime import faults, subgroups
 
 if TYPE_CHECKING:
     from swiftrun.runtime.recovery import Recovery
@@ -79,6 +79,8 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         rec = _recovery
+        if subgroups.count():  # a group the script holds may be one a recovery replaced
+            args, kwargs = _current_groups(args, kwargs)
         if rec is None or _depth:
             return fn(*args, **kwargs)
         with internal():
@@ -141,6 +143,15 @@ def _call(rec: Recovery, name: str, fn: Callable[..., Any], args: tuple, kwargs:
             raise
     rec.recover_here()
     return _skip(name, args, kwargs, "a recovery interrupted this iteration")
+
+
+def _current_groups(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Swap every process group argument for its current generation's counterpart (runtime/subgroups.py)."""
+    group_type = dist.ProcessGroup
+    args = tuple(subgroups.current(a) if isinstance(a, group_type) else a for a in args)
+    if isinstance(kwargs.get("group"), group_type):
+        kwargs = {**kwargs, "group": subgroups.current(kwargs["group"])}
+    return args, kwargs
 
 
 def _peer_failure(exc: BaseException) -> bool:

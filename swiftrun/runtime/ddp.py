@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from swiftrun.runtime import subgroups
+
 Layout = list[list[int]]  # bucket -> parameter indices, in the order the reducer reduces them
 _FORCED = "_swiftrun_forced_layout"  # attribute on the DDP module: the layout rebind() last gave its reducer
 
@@ -36,7 +38,10 @@ def current_layout(ddp: DistributedDataParallel) -> Layout | None:
 
 
 def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
-    """Rebuild ``ddp``'s reducer on the current default group, with ``layout`` (None: DDP's initial layout)."""
+    """Rebuild ``ddp``'s reducer on the current generation's group, with ``layout`` (None: DDP's initial layout).
+
+    The group is the default one, or the current counterpart of the script's subgroup DDP was built on (a
+    stage's data-parallel group in a DP x PP job, see runtime/subgroups.py)."""
     parameters, expect_sparse = ddp._build_params_for_reducer()
     names = ddp._build_debug_param_to_name_mapping(parameters)
     original = dist._compute_bucket_assignment_by_size
@@ -50,7 +55,8 @@ def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
 
         dist._compute_bucket_assignment_by_size = assignment
     try:
-        ddp.process_group = dist.group.WORLD
+        mapped = subgroups.current(ddp.process_group)
+        ddp.process_group = mapped if mapped is not ddp.process_group or _alive(mapped) else dist.group.WORLD
         ddp._has_rebuilt_buckets = False
         ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
     finally:
@@ -65,3 +71,8 @@ def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
     for hook, state in list(ddp._comm_hooks):  # a user's comm hook lived on the old reducer
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp.require_backward_grad_sync = True
+
+
+def _alive(group) -> bool:
+    """Whether a group belongs to the current default group's world (not destroyed with an older one)."""
+    return group in dist.distributed_c10d._world.pg_map

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from swiftrun.runtime import subgroups
+
 STORE_PREFIX = "/swiftrun/g{generation}/"
 
 
@@ -95,6 +97,8 @@ class GroupManager:
         pg = dist.group.WORLD
         if hasattr(pg, "set_timeout"):
             pg.set_timeout(self.timeout)
+        # the script's own subgroups died with the old default group: the same ones again, same order everywhere
+        subgroups.recreate(lambda create: create())
         after = _connected_tcp_sockets()
         with self._lock:
             self._sockets = [(fd, ino) for fd, ino in after.items() if before.get(fd) != ino]

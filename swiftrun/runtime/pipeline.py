@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
 from swiftrun.runtime import state as st
+from swiftrun.runtime import subgroups
 from swiftrun.runtime.pp_plan import StageStatus
 from swiftrun.runtime.registry import RegistrationError
 from swiftrun.runtime.txn import rng_state, set_rng_state
@@ -118,6 +119,12 @@ class Pipeline:
         pipe = self.pipe_ranks()
         me = pipe.index(self.rec.rank)
         return pipe[me - 1], pipe[(me + 1) % len(pipe)]
+
+    def regroup(self) -> None:
+        """Point stages built on one of the script's subgroups at its counterpart of the new generation."""
+        for stage in self.stages:
+            if stage.group is not None:
+                stage.group = subgroups.current(stage.group)
 
     # ------------------------------------------------------------------ interception
 

@@ -108,6 +108,8 @@ class Recovery:
             try:
                 with collectives.internal():
                     self.group.build(self.generation, self._connect_timeout())
+                if self.pipeline is not None:
+                    self.pipeline.regroup()
                 for ddp in self.reg.ddps:
                     rebind(ddp, None)
                 return 0
@@ -185,8 +187,8 @@ class Recovery:
             return self.link.wait_for(lambda: self._aborted(), timeout=self._recovery_timeout())
         if isinstance(exc, (faults.InjectedFault, KeyboardInterrupt, SystemExit, RegistrationError)):
             return False
-        text = str(exc).lower()
-        if isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_FAILURE_MARKERS):
+        if any(isinstance(e, RuntimeError) and any(marker in str(e).lower() for marker in _PEER_FAILURE_MARKERS)
+               for e in _chain(exc)):
             # the launcher learns of the death within milliseconds (or a heartbeat timeout for a hang)
             return self._wait_for_abort()
         return False
@@ -283,6 +285,7 @@ class Recovery:
         faults.fire("recover", max(self.step, 0))
         phases["rebuild"] = time.monotonic() - t
         if self.pipeline is not None:
+            self.pipeline.regroup()
             return self._recover_pipeline(phases), phases
 
         t = time.monotonic()
@@ -333,16 +336,19 @@ class Recovery:
         t = time.monotonic()
         device = self.group.device()
         own_rng = self.txn.rng_for(plan.point + 1)
+        layouts = st.layouts_of(self.reg)
         for source, targets in plan.copies:  # every rank creates every group, in the same order
             members = sorted({source, *targets})
             group = self.group.new_group(members)
             if self.rank in members:
                 st.transfer(self.reg, source, self.rank, group, device, self.chunk_bytes)
-                box: list[Any] = [own_rng or rng_state()]
+                box: list[Any] = [{"rng": own_rng or rng_state(), "layouts": layouts}]
                 dist.broadcast_object_list(box, src=source, group=group,
                                            device=device if device.type == "cuda" else None)
                 if self.rank != source:
-                    own_rng = box[0]
+                    own_rng, layouts = box[0]["rng"], box[0]["layouts"]
+        for ddp, layout in zip(self.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
+            rebind(ddp, layout)
         replaying = None
         for replay in plan.replays:
             if self.rank == replay.rank:
@@ -588,6 +594,16 @@ class Recovery:
 
 _warned: set[str] = set()
 DEFAULT_CHECKPOINT_EVERY = 20  # steps between stage checkpoints of a pipeline (Run(checkpoint_every=...))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """An exception and its causes: torch's pipelining re-raises a failed collective as a plain RuntimeError
+    ("Failed to run stage backward") whose cause names the connection that broke."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen and len(seen) < 8:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
 
 
 def _env_int(name: str, default: int) -> int:

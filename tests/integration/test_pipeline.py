@@ -96,3 +96,19 @@ def test_two_adjacent_stages_lost_is_refused_loudly(tmp_path):
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "lost together" in text, text[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_stage_with_a_replica_recovers_from_it(tmp_path, reference):
+    """2 stages x 2 replicas (DDP on each stage's subgroup, PipelineStage on each pipeline's subgroup): the lost
+    rank's stage has a surviving replica, so it is copied, not replayed; the script's subgroups are re-created
+    and DDP and the stage are pointed at them."""
+    script = ("--dp", "2")
+    ref = reference(script)
+    proc = run(launch(tmp_path, "--fault", "3:6:backward:sigkill", script=script), marker="pp-hybrid", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [(r["outcome"], r["mode"], r["source_rank"]) for r in ended] == [("recovered", "replica", 1)], ended
+    assert not any(r["event"] == "replay" for r in records(tmp_path))
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, 3).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref)

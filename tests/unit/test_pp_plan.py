@@ -1,0 +1,88 @@
+"""The pipeline recovery plan (runtime/pp_plan.py): a pure function of what the ranks report."""
+
+from __future__ import annotations
+
+import pytest
+
+from swiftrun.errors import RecoveryError
+from swiftrun.runtime.pp_plan import StageStatus, plan_pipeline
+
+PIPE = (0, 1, 2, 3)
+
+
+def status(rank, valid=True, updates=5, boundary=True, undoable=False, stages=None, pipe=PIPE, held_for=None,
+           held_step=4, log_start=0):
+    stages = (rank % len(pipe),) if stages is None else stages
+    if held_for is None:  # the next rank of the ring holds this one's predecessor's checkpoint
+        held_for = pipe[(pipe.index(rank) - 1) % len(pipe)]
+    return StageStatus(rank, valid, updates, boundary, undoable, stages, pipe, held_for, held_step, log_start)
+
+
+def test_a_lost_middle_stage_is_replayed_from_the_next_stage_checkpoint():
+    plan = plan_pipeline([status(0), status(1), status(2, valid=False, updates=-1), status(3)])
+    assert plan.point == 5 and plan.mode == "replay" and not plan.undo and not plan.copies
+    (replay,) = plan.replays
+    assert (replay.rank, replay.holder, replay.start, replay.peers, replay.stages) == (2, 3, 4, (1, 3), (2,))
+
+
+def test_the_last_stage_checkpoint_is_held_by_the_first():
+    plan = plan_pipeline([status(0), status(1), status(2), status(3, valid=False, updates=-1)])
+    (replay,) = plan.replays
+    assert (replay.holder, replay.peers) == (0, (2,))
+
+
+def test_a_stage_one_update_ahead_undoes_it():
+    statuses = [status(0, updates=6, undoable=True), status(1, updates=6, boundary=False, undoable=True),
+                status(2), status(3, valid=False, updates=-1)]
+    plan = plan_pipeline(statuses)
+    assert plan.point == 5 and plan.undo == (0, 1)
+
+
+def test_a_stage_ahead_that_cannot_undo_is_refused():
+    with pytest.raises(RecoveryError, match="cannot undo"):
+        plan_pipeline([status(0, updates=6), status(1), status(2), status(3, valid=False, updates=-1)])
+
+
+def test_adjacent_stages_lost_together_are_refused():
+    with pytest.raises(RecoveryError, match="lost together"):
+        plan_pipeline([status(0), status(1, valid=False), status(2, valid=False), status(3)])
+
+
+def test_a_checkpoint_past_the_point_or_logs_already_dropped_are_refused():
+    with pytest.raises(RecoveryError, match="past the recovery point"):
+        plan_pipeline([status(0), status(1), status(2, valid=False), status(3, held_step=8)])
+    with pytest.raises(RecoveryError, match="no longer holds the logs"):
+        plan_pipeline([status(0), status(1, log_start=5), status(2, valid=False), status(3)])
+
+
+def test_a_checkpoint_at_the_point_needs_no_replay_steps():
+    plan = plan_pipeline([status(0), status(1), status(2, valid=False), status(3, held_step=6)])
+    assert plan.replays[0].start == 6 and plan.point == 5
+
+
+def test_a_stage_with_a_surviving_replica_copies_it():
+    # 2 stages x 2 replicas: pipelines (0, 1) and (2, 3); rank 3 (stage 1) lost, rank 1 is its replica
+    pipes = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    statuses = [status(r, stages=(r % 2,), pipe=pipes[r], valid=r != 3) for r in range(4)]
+    plan = plan_pipeline(statuses)
+    assert plan.copies == ((1, (3,)),) and not plan.replays and plan.mode == "replica"
+
+
+def test_every_replica_of_a_stage_lost_is_refused():
+    pipes = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    statuses = [status(r, stages=(r % 2,), pipe=pipes[r], valid=r not in (1, 3)) for r in range(4)]
+    with pytest.raises(RecoveryError, match="every replica"):
+        plan_pipeline(statuses)
+
+
+def test_interleaved_stages_replay_with_both_ring_neighbours():
+    # 2 ranks, 4 virtual stages: rank 0 runs 0 and 2, rank 1 runs 1 and 3
+    statuses = [status(0, stages=(0, 2), pipe=(0, 1), held_for=1), status(1, stages=(1, 3), pipe=(0, 1),
+                                                                         valid=False, held_for=0)]
+    (replay,) = plan_pipeline(statuses).replays
+    assert replay.peers == (0,) and replay.holder == 0 and replay.stages == (1, 3)
+
+
+def test_nobody_valid_is_refused():
+    with pytest.raises(RecoveryError):
+        plan_pipeline([status(0, valid=False), status(1, valid=False)])
