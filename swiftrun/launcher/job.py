@@ -223,6 +223,8 @@ class Job:
         if kind is EventKind.FAILED:
             slot.traceback = str(data.get("traceback") or "") or None
             return []
+        if kind is EventKind.LOG_PLAN:
+            return [Note(str(data.get("message", ""))), Record(EventName.LOG_PLAN, dict(data))]
         if slot.rank is None or not slot.alive:
             return []
         if kind is EventKind.REGISTERED:
