@@ -129,6 +129,19 @@ class Pipeline:
         me = pipe.index(self.rec.rank)
         return pipe[me - 1], pipe[(me + 1) % len(pipe)]
 
+    def logging_plan(self) -> tuple | None:
+        return None if self.groups is None else (self.groups, None if self.logged is None else sorted(self.logged))
+
+    def adopt(self, plan: tuple | None) -> None:
+        """Take the logging plan the survivors chose (the same on every rank)."""
+        if plan is None:
+            return
+        groups, logged = plan
+        self.groups = tuple(tuple(g) for g in groups)
+        self.logged = None if logged is None else set(logged)
+        position = self.pipe_ranks().index(self.rec.rank)
+        self.keep_own = any(position in g and len(g) > 1 for g in self.groups)
+
     def regroup(self) -> None:
         """Point stages built on one of the script's subgroups at its counterpart of the new generation."""
         for stage in self.stages:

@@ -325,8 +325,10 @@ class Recovery:
         mine = pp.status(self.valid, self.position, not self.partial, self._undoable(),
                          not self.joining and not self.partial and self.step == self.completed)
         rows: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rows, mine)
-        plan = plan_pipeline(rows, pp.groups)
+        dist.all_gather_object(rows, (mine, pp.logging_plan()))
+        # a replacement missed the logging plan chosen before it started: it takes the survivors'
+        pp.adopt(next((p for s, p in rows if s.valid and p is not None), None))
+        plan = plan_pipeline([s for s, _ in rows], pp.groups)
         phases["consensus"] = time.monotonic() - t
 
         t = time.monotonic()
