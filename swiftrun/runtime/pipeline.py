@@ -351,6 +351,7 @@ class Pipeline:
         set_rng_state(loaded["rng"])
         self.replay = {"start": replay.start, "until": point, "log": logs, "coll": coll,
                        "live": set(replay.stages), "everyone": len(replay.ranks) == self.rec.world_size,
+                       "ranks": list(replay.ranks),
                        "started": time.monotonic()}
         self.log.clear()
         self.coll.clear()

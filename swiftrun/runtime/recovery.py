@@ -380,7 +380,7 @@ class Recovery:
                     return False
             else:
                 self.link.send_event(EventKind.REPLAYING, gen=self.generation, step=step,
-                                     first=pp.replay["start"], last=pp.replay["until"])
+                                     first=pp.replay["start"], last=pp.replay["until"], ranks=pp.replay["ranks"])
         try:
             with collectives.internal():
                 pp.begin_step(step)
