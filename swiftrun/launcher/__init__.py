@@ -15,6 +15,8 @@ def launch(config: LaunchConfig) -> int:
     from swiftrun.dashboard.live import make_reporter
     from swiftrun.launcher.agent import Agent, new_log_root
 
+    if config.multinode:
+        raise LaunchError("multi-node launching is being built; this build parses the flags only")
     ep = config.entrypoint
     if ep.kind is EntrypointKind.SCRIPT and not Path(ep.target).is_file():
         raise LaunchError(f"training script {ep.target!r} not found")
