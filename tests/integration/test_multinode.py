@@ -1,0 +1,126 @@
+"""Multi-node on one machine: one swiftrun per "node", each in its own session, compared with torchrun's
+multi-node run of the same command."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tests.helpers import SCRIPTS, wait_until
+from tests.integration.multinode_support import (
+    TRAIN, TRAIN_ARGS, free_port_pair, node_cmd, start_node, stop_all, wait_all,
+)
+from tests.integration.recovery_support import flat_state
+
+RUN_TIMEOUT = 150
+VOLATILE = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "DUMP_ENV_DIR"}  # hosts, ports, paths
+
+
+def run_nodes(launcher: str, nnodes: int, tmp, marker, script: str, *args: str, extra=(), env=None) -> list[int]:
+    port = free_port_pair()
+    procs = [start_node(node_cmd(launcher, nnodes, k, port, *extra, script, *args), marker,
+                        tmp / f"{launcher}-node{k}.log", **(env or {})) for k in range(nnodes)]
+    try:
+        return wait_all(procs, RUN_TIMEOUT)
+    finally:
+        stop_all(procs)
+
+
+def logs(tmp, launcher: str) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp.glob(f"{launcher}-node*.log")))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_worker_env_matches_torchruns_multinode_run(tmp_path, marker):
+    dumps = {}
+    for launcher in ("torchrun", "swiftrun"):
+        out = tmp_path / launcher
+        out.mkdir()
+        codes = run_nodes(launcher, 2, tmp_path, marker, str(SCRIPTS / "dump_env.py"), "--lr", "3",
+                          env={"DUMP_ENV_DIR": str(out)})
+        assert codes == [0, 0], logs(tmp_path, launcher)
+        dumps[launcher] = {r: json.loads((out / f"{r}.json").read_text()) for r in range(4)}
+    for rank in range(4):
+        t_env, s_env = dumps["torchrun"][rank]["env"], dumps["swiftrun"][rank]["env"]
+        assert dumps["swiftrun"][rank]["argv"] == dumps["torchrun"][rank]["argv"]
+        differing = {k for k in t_env if s_env.get(k) != t_env[k]}
+        assert differing <= VOLATILE, {k: (t_env[k], s_env.get(k)) for k in differing - VOLATILE}
+        assert {k for k in s_env if k not in t_env} <= {k for k in s_env if k.startswith("SWIFTRUN_")}
+        assert (s_env["RANK"], s_env["GROUP_RANK"], s_env["LOCAL_RANK"]) == (str(rank), str(rank // 2), str(rank % 2))
+    assert len({dumps["swiftrun"][r]["env"]["MASTER_PORT"] for r in range(4)}) == 1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("nnodes", [2, 3])
+def test_failure_free_run_is_bitwise_torchruns(tmp_path, marker, nnodes):
+    results = {}
+    for launcher in ("torchrun", "swiftrun"):
+        save = tmp_path / f"{launcher}-save"
+        codes = run_nodes(launcher, nnodes, tmp_path, marker, TRAIN, *TRAIN_ARGS, "--save-dir", str(save),
+                          extra=("--spares", "0") if launcher == "swiftrun" else ())
+        assert codes == [0] * nnodes, logs(tmp_path, launcher)
+        results[launcher] = [flat_state(torch.load(save / f"rank{r}.pt")) for r in range(2 * nnodes)]
+    for r in range(2 * nnodes):
+        for key, value in results["torchrun"][r].items():
+            assert torch.equal(value, results["swiftrun"][r][key]), f"rank {r}: {key} differs from torchrun's"
+
+
+def _refused(tmp_path, marker, first: list[str], second: list[str], expect: str) -> None:
+    port = free_port_pair()
+    a = start_node(node_cmd("swiftrun", 2, 0, port, *first), marker, tmp_path / "a.log")
+    t0 = time.monotonic()
+    b = start_node(node_cmd("swiftrun", 2, 1 if "--node-rank" not in second else 0, port, *second), marker,
+                   tmp_path / "b.log")
+    try:
+        assert b.wait(timeout=60) == 2
+        assert time.monotonic() - t0 < 30
+        text = (tmp_path / "b.log").read_text()
+        assert expect in text, text
+    finally:
+        stop_all([a, b])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_an_agent_with_another_command_line_is_refused(tmp_path, marker):
+    script = str(SCRIPTS / "dump_env.py")
+    _refused(tmp_path, marker, [script, "--lr", "1"], [script, "--lr", "2"],
+             "this agent's command line differs from the job's: args")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_two_agents_claiming_one_node_rank(tmp_path, marker):
+    port = free_port_pair()
+    script = str(SCRIPTS / "dump_env.py")
+    procs = []
+    try:
+        procs.append(start_node(node_cmd("swiftrun", 3, 0, port, script), marker, tmp_path / "a.log"))
+        procs.append(start_node(node_cmd("swiftrun", 3, 1, port, script), marker, tmp_path / "b.log"))
+        wait_until(lambda: "node rank 1 joined" in (tmp_path / "a.log").read_text(), timeout=60,
+                   what="b to hold node rank 1")
+        procs.append(start_node(node_cmd("swiftrun", 3, 1, port, script), marker, tmp_path / "c.log"))
+        assert procs[2].wait(timeout=60) == 2
+        assert "--node-rank 1 is already held by a live agent" in (tmp_path / "c.log").read_text()
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_unreachable_endpoint_is_a_clear_error(tmp_path, marker):
+    port = free_port_pair()
+    t0 = time.monotonic()
+    proc = start_node(node_cmd("swiftrun", 2, 1, port, "--rdzv-conf", "join_timeout=2", str(SCRIPTS / "dump_env.py")),
+                      marker, tmp_path / "n.log")
+    try:
+        assert proc.wait(timeout=40) == 1
+        assert time.monotonic() - t0 < 20
+        assert "no answer from the coordinator within 2s" in (tmp_path / "n.log").read_text()
+    finally:
+        stop_all([proc])
