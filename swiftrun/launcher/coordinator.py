@@ -35,7 +35,8 @@ from swiftrun.launcher.store import AgentStore
 from swiftrun.launcher.wire import NodeKind, ReportKind
 from swiftrun.protocol import EventKind
 
-FINISH_GRACE = 5.0  # seconds the coordinator waits for agents to leave after FINISH
+FINISH_GRACE = 5.0
+PROGRESS_PERIOD = 0.25  # seconds the coordinator waits for agents to leave after FINISH
 
 
 def fingerprint(config: LaunchConfig) -> dict[str, Any]:
@@ -79,6 +80,7 @@ class Coordinator:
             raise LaunchError(f"cannot open the coordinator's control port {self.port}: {exc} (--rdzv-conf "
                               "control_port=N picks another)") from None
         self._fd_identity: dict[int, bytes] = {}
+        self._last_progress: tuple[float, Any] = (0.0, None)
         self.event_log.write(EventName.JOB_START, world_size=config.world_size, nnodes=config.nnodes[0],
                              script=config.entrypoint.target, pid=os.getpid(), coordinator=True)
 
@@ -214,6 +216,8 @@ class Coordinator:
         for key, status in dict(body.get("status") or {}).items():
             if int(key) in mine and isinstance(status, list) and len(status) == 4:
                 self._execute(self.job.on_status(int(key), now, *status), now)
+                if self.job.slots[int(key)].rank == 0:
+                    self._progress(now, status)
         self.stopped[node.slot] = frozenset(int(s) for s in body.get("stopped") or () if int(s) in mine)
 
     def _on_report(self, node: Node, body: dict[str, Any], now: float) -> None:
@@ -250,6 +254,14 @@ class Coordinator:
                 slot.traceback = str(data["traceback"])
             self._execute(self.job.on_exit(slot_id, int(data["returncode"]), now,
                                            error_file=data.get("error_file")), now)
+
+    def _progress(self, now: float, status: list[Any]) -> None:
+        """Rank 0's progress, sampled (at most every PROGRESS_PERIOD), for the report's timeline."""
+        step, loss, step_time, _ = status
+        if step == self._last_progress[1] or now - self._last_progress[0] < PROGRESS_PERIOD:
+            return
+        self._last_progress = (now, step)
+        self.event_log.write(EventName.PROGRESS, at=now, step=step, loss=loss, step_time=step_time)
 
     # ------------------------------------------------------------------ membership
 

@@ -4,6 +4,8 @@ multi-node run of the same command."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from tests.helpers import SCRIPTS, wait_until
 from tests.integration.multinode_support import (
     TRAIN, TRAIN_ARGS, free_port_pair, node_cmd, start_node, stop_all, wait_all,
 )
-from tests.integration.recovery_support import flat_state
+from tests.integration.recovery_support import flat_state, max_rel_diff
 
 RUN_TIMEOUT = 150
 VOLATILE = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "DUMP_ENV_DIR"}  # hosts, ports, paths
@@ -124,3 +126,70 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path, marker):
         assert "no answer from the coordinator within 2s" in (tmp_path / "n.log").read_text()
     finally:
         stop_all([proc])
+
+
+LONG_ARGS = ("--steps", "1000", "--optimizer", "adam", "--hidden", "64", "--layers", "3")
+
+
+def _events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _step(path) -> int:
+    steps = [e["step"] for e in _events(path) if e["event"] == "progress"]
+    return steps[-1] if steps else -1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("takeover", ["restarted", "hot-spare"])
+def test_a_node_killed_mid_run_is_replaced_in_place(tmp_path, marker, takeover):
+    """SIGKILL of node 1's whole process group mid-run; the same command restarts it (or a hot-spare node,
+    --node-rank 2, takes its slot): exit 0, node 0's workers keep their pids, the model is the failure-free one."""
+    port = free_port_pair()
+    events = tmp_path / "events.jsonl"
+
+    def cmd(k: int, save: str, *extra: str) -> list[str]:
+        return node_cmd("swiftrun", 2, k, port, "--spares", "0", "--heartbeat-timeout", "20", *extra, TRAIN,
+                        *LONG_ARGS, "--save-dir", str(tmp_path / save))
+
+    procs = [start_node(cmd(0, "save", "--event-log", str(events)), marker, tmp_path / "n0.log"),
+             start_node(cmd(1, "save"), marker, tmp_path / "n1.log")]
+    if takeover == "hot-spare":
+        procs.append(start_node(cmd(2, "save"), marker, tmp_path / "spare.log"))
+    try:
+        wait_until(lambda: _step(events) >= 30, timeout=240, what="training to pass step 30")
+        if takeover == "hot-spare":
+            wait_until(lambda: any(e["event"] == "node_joined" and e["slot"] is None for e in _events(events)),
+                       timeout=60, what="the hot spare to join")
+        killed_at = time.monotonic()
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        if takeover == "restarted":
+            procs.append(start_node(cmd(1, "save"), marker, tmp_path / "n1b.log"))
+        codes = [p.wait(timeout=400) for p in procs if p is not procs[1]]
+        assert codes[:2] == [0, 0], (tmp_path / "n0.log").read_text()[-3000:]
+    finally:
+        stop_all(procs)
+    log = _events(events)
+    ended = [e for e in log if e["event"] == "recovery_end"]
+    assert [e["outcome"] for e in ended] == ["recovered"] and ended[0]["failed_ranks"] == [2, 3], ended
+    assert any(e["event"] == "node_lost" and e["slot"] == 1 for e in log)
+    # survivors kept their processes: one pid per rank on node 0, incarnation 0 throughout
+    for rank in (0, 1):
+        seen = {(e["pid"], e["incarnation"]) for e in log if e["event"] == "worker_state" and e["rank"] == rank}
+        assert len(seen) == 1 and next(iter(seen))[1] == 0, seen
+    resumed = next(e for e in log if e["event"] == "recovery_phase" and e["phase"] == "resume")
+    lost = next(e for e in log if e["event"] == "node_lost")
+    print(f"\n{takeover}: node lost -> training resumed in {resumed['t'] - lost['t']:.2f}s "
+          f"(recovery total {ended[0]['total']:.2f}s; kill at {killed_at:.0f})")
+    # the failure-free run of the same command
+    ref = run_nodes("swiftrun", 2, tmp_path, marker, TRAIN, *LONG_ARGS, "--save-dir", str(tmp_path / "ref"),
+                    extra=("--spares", "0"))
+    assert ref == [0, 0]
+    results = [flat_state(torch.load(tmp_path / "save" / f"rank{r}.pt")) for r in range(4)]
+    expected = flat_state(torch.load(tmp_path / "ref" / "rank0.pt"))
+    for r in range(1, 4):
+        for key in results[0]:
+            assert torch.equal(results[0][key], results[r][key]), f"replica {r} differs from rank 0 in {key}"
+    assert max_rel_diff(results[0], expected) <= 1e-5
