@@ -193,3 +193,63 @@ def test_a_node_killed_mid_run_is_replaced_in_place(tmp_path, marker, takeover):
         for key in results[0]:
             assert torch.equal(results[0][key], results[r][key]), f"replica {r} differs from rank 0 in {key}"
     assert max_rel_diff(results[0], expected) <= 1e-5
+
+
+def _pids(log: list[dict], ranks: tuple[int, ...], incarnation: int = 0) -> set[int]:
+    return {e["pid"] for e in log if e["event"] == "worker_state" and e["rank"] in ranks
+            and e["incarnation"] == incarnation and e["pid"]}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_frozen_node_is_fenced_and_its_slot_taken_by_a_hot_spare(tmp_path, marker):
+    """SIGSTOP of node 1 (agent and workers) past --node-timeout, then SIGCONT: a hot spare took the slot, the
+    woken agent finds its lease expired, kills its workers and exits 1; the job ends exact."""
+    port = free_port_pair()
+    events = tmp_path / "events.jsonl"
+
+    def cmd(k: int, *extra: str) -> list[str]:
+        return node_cmd("swiftrun", 2, k, port, "--spares", "0", "--heartbeat-timeout", "20", "--node-lease", "2",
+                        "--node-timeout", "4", *extra, TRAIN, *LONG_ARGS, "--save-dir", str(tmp_path / "save"))
+
+    procs = [start_node(cmd(0, "--event-log", str(events)), marker, tmp_path / "n0.log"),
+             start_node(cmd(1), marker, tmp_path / "n1.log"),
+             start_node(cmd(2), marker, tmp_path / "spare.log")]
+    frozen: list[int] = []
+    try:
+        wait_until(lambda: _step(events) >= 30 and any(e["event"] == "node_joined" and e["slot"] is None
+                                                         for e in _events(events)),
+                   timeout=240, what="training past step 30 with the hot spare joined")
+        old_workers = _pids(_events(events), (2, 3))
+        frozen = [procs[1].pid, *old_workers]
+        for pgid in frozen:
+            os.killpg(pgid, signal.SIGSTOP)
+        wait_until(lambda: any(e["event"] == "node_lost" and e["slot"] == 1 for e in _events(events)), timeout=30,
+                   what="node 1 declared lost")
+        for pgid in frozen:
+            os.killpg(pgid, signal.SIGCONT)
+        frozen = []
+        assert procs[1].wait(timeout=30) == 1
+        assert "fenced" in (tmp_path / "n1.log").read_text()
+        wait_until(lambda: not any(alive(pid) for pid in old_workers), timeout=10, what="the old workers to go")
+        assert [procs[0].wait(timeout=400), procs[2].wait(timeout=60)] == [0, 0], \
+            (tmp_path / "n0.log").read_text()[-3000:]
+    finally:
+        for pgid in frozen:
+            os.killpg(pgid, signal.SIGCONT)
+        stop_all(procs)
+    log = _events(events)
+    assert [e["outcome"] for e in log if e["event"] == "recovery_end"] == ["recovered"]
+    assert any(e["event"] == "node_takeover" and e["slot"] == 1 for e in log)
+    results = [flat_state(torch.load(tmp_path / "save" / f"rank{r}.pt")) for r in range(4)]
+    for r in range(1, 4):
+        for key in results[0]:
+            assert torch.equal(results[0][key], results[r][key]), f"replica {r} differs from rank 0 in {key}"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
