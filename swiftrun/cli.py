@@ -26,6 +26,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from swiftrun.cluster import slurm_defaults
 from swiftrun.config import Entrypoint, EntrypointKind, FaultSpec, LaunchConfig, RecoveryMode, Std, Timeouts
 from swiftrun.errors import ConfigError, SwiftrunError
 
@@ -36,6 +37,7 @@ from swiftrun.errors import ConfigError, SwiftrunError
 C10D_DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 MASTER_PORT_DEFAULT = 29500
 SHUTDOWN_TIMEOUT_DEFAULT = 30.0
+JOIN_TIMEOUT_DEFAULT = 120.0  # multi-node: how long an agent waits for the coordinator (--rdzv-conf join_timeout)
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 START_METHODS = ("spawn", "fork", "forkserver")
 RDZV_BACKENDS = ("static", "c10d")
@@ -205,9 +207,10 @@ def resolve_rendezvous(
     master_addr: str,
     master_port: int | None,
     standalone: bool,
+    multinode: bool = False,
     new_id: Callable[[], str] = lambda: str(uuid.uuid4()),
 ) -> Rendezvous:
-    """torchrun's rendezvous rules, for one node (``run.py::run`` and ``get_rdzv_endpoint``).
+    """torchrun's rendezvous rules (``run.py::run`` and ``get_rdzv_endpoint``).
 
     - ``--standalone``: c10d on ``localhost:0`` (a free port) with a random id; explicit rdzv flags are ignored.
     - static with no ``--rdzv-endpoint`` and no ``--master-port``: the same as ``--standalone`` (what torchrun
@@ -215,6 +218,7 @@ def resolve_rendezvous(
       torchrun, an explicit ``--rdzv-id`` is kept rather than replaced by a random one.
     - static: the endpoint (which needs a port) or ``master_addr:master_port`` is where the store lives.
     - c10d: the endpoint's host and port (default 29400; default host localhost) are where the store lives.
+    - several nodes: every agent must name the same store, so static needs ``--master-port`` or an endpoint.
     """
     if standalone:
         return Rendezvous("c10d", "localhost:0", new_id(), master_addr, 0)
@@ -228,6 +232,9 @@ def resolve_rendezvous(
             if port is None:
                 raise ConfigError(f"--rdzv-endpoint {endpoint!r} needs a port with the static backend")
             return Rendezvous("static", endpoint.strip(), rdzv_id, host, port)
+        if master_port is None and multinode:
+            raise ConfigError("several nodes with the static backend need --master-addr and --master-port (or "
+                              "--rdzv-endpoint HOST:PORT): every node must find the same store")
         if master_port is None:  # torchrun replaces the id here too; an id the user chose is kept
             return Rendezvous("c10d", "localhost:0", rdzv_id if rdzv_id != "none" else new_id(), master_addr, 0)
         return Rendezvous("static", f"{master_addr}:{master_port}", rdzv_id, master_addr, master_port)
@@ -395,9 +402,24 @@ def launch(
         str, _torchrun("--nproc-per-node", panel=WORKERS, metavar="N|auto|cpu|gpu", help="Workers on this node.")
     ] = "1",
     nnodes: Annotated[
-        str, _torchrun("--nnodes", panel=WORKERS, metavar="N|MIN:MAX", help="Nodes; only 1 is implemented.")
-    ] = "1:1",
-    node_rank: Annotated[int, _torchrun("--node-rank", panel=WORKERS, help="Rank of this node (0 on one node).")] = 0,
+        str | None,
+        _torchrun(
+            "--nnodes", panel=WORKERS, metavar="N|MIN:MAX", show_default="1, or Slurm's node count",
+            help="Training nodes; with MIN:MAX, MIN train and node ranks MIN..MAX-1 are hot spares.",
+        ),
+    ] = None,
+    node_rank: Annotated[
+        int | None,
+        _torchrun(
+            "--node-rank", panel=WORKERS, show_default="0, or $SLURM_NODEID",
+            help="Rank of this node; >= --nnodes: a hot-spare node.",
+        ),
+    ] = None,
+    spare_nodes: Annotated[
+        int,
+        _own("--spare-nodes", panel=WORKERS,
+             help="Under Slurm: the last N nodes of the allocation are hot spares (--nnodes = nodes - N)."),
+    ] = 0,
     module: Annotated[
         bool, _torchrun("-m", "--module", panel=WORKERS, help="Run SCRIPT as a module, like python -m.")
     ] = False,
@@ -443,8 +465,12 @@ def launch(
         ),
     ] = None,
     rdzv_backend: Annotated[
-        str, _torchrun("--rdzv-backend", panel=RENDEZVOUS, metavar="static|c10d", help="Rendezvous backend.")
-    ] = "static",
+        str | None,
+        _torchrun(
+            "--rdzv-backend", panel=RENDEZVOUS, metavar="static|c10d", show_default="static (c10d under Slurm)",
+            help="Rendezvous backend.",
+        ),
+    ] = None,
     rdzv_endpoint: Annotated[
         str,
         _torchrun(
@@ -452,7 +478,11 @@ def launch(
             help="Rendezvous endpoint (c10d default port 29400).",
         ),
     ] = "",
-    rdzv_id: Annotated[str, _torchrun("--rdzv-id", panel=RENDEZVOUS, help="Job id (TORCHELASTIC_RUN_ID).")] = "none",
+    rdzv_id: Annotated[
+        str | None,
+        _torchrun("--rdzv-id", panel=RENDEZVOUS, show_default="none, or $SLURM_JOB_ID",
+                  help="Job id (TORCHELASTIC_RUN_ID)."),
+    ] = None,
     rdzv_conf: Annotated[
         str, _torchrun("--rdzv-conf", panel=RENDEZVOUS, metavar="K=V,...", help="Extra rendezvous settings.")
     ] = "",
@@ -462,6 +492,21 @@ def launch(
     local_addr: Annotated[
         str | None, _torchrun("--local-addr", panel=RENDEZVOUS, help="Address this node advertises.")
     ] = None,
+    external_coordinator: Annotated[
+        bool,
+        _own("--external-coordinator", panel=RENDEZVOUS,
+             help="The store and control plane run as `swiftrun coordinator` at the endpoint, not in node 0."),
+    ] = False,
+    node_lease: Annotated[
+        float,
+        _own("--node-lease", panel=RENDEZVOUS, metavar="SECONDS",
+             help="An agent that lost the coordinator this long kills its workers (fencing)."),
+    ] = 5.0,
+    node_timeout: Annotated[
+        float,
+        _own("--node-timeout", panel=RENDEZVOUS, metavar="SECONDS",
+             help="A node silent this long is lost and its slot handed out again (> --node-lease)."),
+    ] = 10.0,
     # Restarts and recovery
     max_restarts: Annotated[
         int, _torchrun("--max-restarts", panel=RESTARTS, help="Whole-group restarts before failing.")
@@ -615,11 +660,20 @@ def launch(
             duplicate_stdout_filters=duplicate_stdout_filters,
             duplicate_stderr_filters=duplicate_stderr_filters,
         )
-        nodes = parse_nnodes(nnodes)
-        if nodes != (1, 1):
-            raise ConfigError(f"--nnodes {nnodes}: multi-node is not implemented yet; swiftrun runs on one node")
-        if node_rank != 0:
-            raise ConfigError(f"--node-rank {node_rank}: multi-node is not implemented yet; swiftrun runs on one node")
+        cluster = slurm_defaults(os.environ, spare_nodes)
+        if cluster is not None:
+            nnodes = nnodes if nnodes is not None else cluster.nnodes
+            node_rank = node_rank if node_rank is not None else cluster.node_rank
+            rdzv_id = rdzv_id if rdzv_id is not None else cluster.rdzv_id
+            if not rdzv_endpoint.strip() and rdzv_backend is None and cluster.endpoint_host and not standalone \
+                    and master_port is None:
+                rdzv_backend, rdzv_endpoint = "c10d", cluster.endpoint_host
+        nodes = parse_nnodes(nnodes if nnodes is not None else "1:1")
+        node_rank = node_rank if node_rank is not None else 0
+        if node_rank < 0:
+            raise ConfigError(f"--node-rank must be >= 0 (got {node_rank})")
+        multinode = nodes != (1, 1) or node_rank != 0 or external_coordinator
+        conf = parse_rdzv_conf(rdzv_conf)
         if start_method not in START_METHODS:
             raise ConfigError(f"--start-method {start_method!r} is not one of {', '.join(START_METHODS)}")
         entrypoint = resolve_entrypoint(
@@ -631,12 +685,13 @@ def launch(
             choices = ", ".join(mode.value for mode in RecoveryMode)
             raise ConfigError(f"--recovery {recovery!r} is not one of {choices}") from None
         rdzv = resolve_rendezvous(
-            backend=rdzv_backend.strip(),
+            backend=(rdzv_backend or "static").strip(),
             endpoint=rdzv_endpoint,
-            rdzv_id=rdzv_id,
+            rdzv_id=rdzv_id if rdzv_id is not None else "none",
             master_addr=master_addr,
             master_port=master_port,
             standalone=standalone,
+            multinode=multinode,
         )
         nproc = parse_nproc_per_node(nproc_per_node)
         config = LaunchConfig(
@@ -649,7 +704,7 @@ def launch(
             rdzv_backend=rdzv.backend,
             rdzv_endpoint=rdzv.endpoint,
             rdzv_id=rdzv.rdzv_id,
-            rdzv_conf=parse_rdzv_conf(rdzv_conf),
+            rdzv_conf=conf,
             standalone=standalone,
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
@@ -668,6 +723,9 @@ def launch(
                 shutdown_timeout=_shutdown_timeout(shutdown_timeout),
                 recovery_timeout=recovery_timeout,
                 startup_timeout=startup_timeout,
+                node_lease=node_lease,
+                node_timeout=node_timeout,
+                join_timeout=_conf_seconds(conf, "join_timeout", JOIN_TIMEOUT_DEFAULT),
             ),
             recovery=recovery_mode,
             max_recoveries=max_recoveries,
@@ -681,6 +739,8 @@ def launch(
             event_log=event_log,
             faults=tuple(FaultSpec.parse(text) for text in fault or ()),
             python=python or "",
+            external_coordinator=external_coordinator,
+            control_port=int(_conf_seconds(conf, "control_port", 0)),
         )
         from swiftrun import launcher
 
@@ -700,6 +760,17 @@ def _size(flag: str | None) -> int | None:
         return parse_size(flag)
     except PlanError as err:
         raise ConfigError(f"--log-budget: {err}") from None
+
+
+def _conf_seconds(conf: tuple[tuple[str, str], ...], key: str, default: float) -> float:
+    """A number from --rdzv-conf (``join_timeout=30``, ``control_port=29401``), else ``default``."""
+    for name, value in conf:
+        if name == key:
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"--rdzv-conf {key}={value!r} is not a number") from None
+    return default
 
 
 def _shutdown_timeout(flag: float | None) -> float:

@@ -106,9 +106,17 @@ class Timeouts:
     # a worker's start: spawn -> HELLO (interpreter, imports); for a replacement also spawn/ASSIGN -> JOINING,
     # since it runs the user's script from the top (which may load a dataset for minutes) before swiftrun.Run
     startup_timeout: float = 600.0
+    # multi-node: an agent that has not heard from the job's coordinator for node_lease kills its workers (it
+    # is fenced); the coordinator declares a silent node lost only after node_timeout, which is longer, so a
+    # partitioned or frozen old incarnation is gone before its slot is handed out again
+    node_lease: float = 5.0
+    node_timeout: float = 10.0
+    # multi-node: how long an agent waits for the coordinator to answer its JOIN (torchrun's join_timeout)
+    join_timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval", "heartbeat_timeout", "shutdown_timeout", "recovery_timeout", "startup_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "shutdown_timeout", "recovery_timeout", "startup_timeout",
+                     "node_lease", "node_timeout", "join_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
         if self.progress_timeout < 0:
@@ -122,6 +130,16 @@ class Timeouts:
             raise ConfigError(
                 f"progress-timeout ({self.progress_timeout}s) must not be shorter than heartbeat-timeout "
                 f"({self.heartbeat_timeout}s)"
+            )
+        if not self.node_lease < self.node_timeout:
+            raise ConfigError(
+                f"node-lease ({self.node_lease}s) must be shorter than node-timeout ({self.node_timeout}s): a lost "
+                "node's workers must be fenced before its slot is handed out again"
+            )
+        if not self.heartbeat_interval * 2 <= self.node_lease:
+            raise ConfigError(
+                f"node-lease ({self.node_lease}s) must be at least twice the heartbeat interval "
+                f"({self.heartbeat_interval}s)"
             )
 
 
@@ -166,6 +184,10 @@ class LaunchConfig:
     event_log: Path | None = None
     faults: tuple[FaultSpec, ...] = ()
     python: str = ""  # interpreter for workers; empty: PYTHON_EXEC or sys.executable
+    # multi-node: the job's coordinator (store + control plane) runs as `swiftrun coordinator` elsewhere,
+    # not inside node 0's agent
+    external_coordinator: bool = False
+    control_port: int = 0  # the coordinator's control socket; 0: the store's port + 1
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -173,6 +195,14 @@ class LaunchConfig:
         lo, hi = self.nnodes
         if not 0 < lo <= hi:
             raise ConfigError(f"--nnodes {lo}:{hi} must satisfy 0 < MIN <= MAX")
+        if self.node_rank < 0:
+            raise ConfigError(f"--node-rank must be >= 0 (got {self.node_rank})")
+        if hi > lo and self.node_rank >= hi:
+            raise ConfigError(f"--node-rank {self.node_rank} is outside --nnodes {lo}:{hi} (node ranks 0..{hi - 1})")
+        if self.multinode and self.standalone:
+            raise ConfigError("--standalone runs one node; for several use --rdzv-endpoint HOST:PORT")
+        if not 0 <= self.control_port < 65536:
+            raise ConfigError(f"control port {self.control_port} is not a TCP port")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port")
         if self.max_restarts < 0 or self.max_recoveries < 0 or self.spares < 0 or self.startup_restarts < 0:
@@ -197,6 +227,16 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes[0] * self.nproc_per_node
+
+    @property
+    def multinode(self) -> bool:
+        """One agent per node, with a job-level coordinator (anything but one node of rank 0)."""
+        return self.nnodes != (1, 1) or self.node_rank != 0 or self.external_coordinator
+
+    @property
+    def spare_node(self) -> bool:
+        """A hot-spare node: it owns no slot until it takes over a lost node's (``--node-rank >= --nnodes``)."""
+        return self.node_rank >= self.nnodes[0]
 
     @property
     def swift(self) -> bool:

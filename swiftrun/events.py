@@ -29,6 +29,10 @@ class EventName(str, enum.Enum):
     RESTART = "restart"  # attempt, reason
     WARNING = "warning"  # rank, message: recovery would not be exact, a collective was skipped
     JOB_END = "job_end"  # outcome, exit_code, duration, failures, time_lost
+    # multi-node (written by the coordinator)
+    NODE_JOINED = "node_joined"  # node_rank, slot (None: a hot spare), incarnation, host, pid
+    NODE_LOST = "node_lost"  # node_rank, slot, incarnation, cause
+    NODE_TAKEOVER = "node_takeover"  # node_rank (the spare's), slot, incarnation
 
 
 class EventLog:

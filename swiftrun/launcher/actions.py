@@ -19,6 +19,7 @@ class Spawn:
     generation: int
     attempt: int
     joining: bool  # a replacement that joins survivors (Swift) rather than a fresh start
+    node: int = 0  # the node slot whose agent starts it (multi-node; a rank's is rank // nproc_per_node)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ PROGRESS_PERIOD = 0.25  # seconds between sampled progress events in the event l
 
 
 class Agent:
-    def __init__(self, config: LaunchConfig, reporter: Any, log_root: Path) -> None:
+    def __init__(self, config: LaunchConfig, reporter: Any, log_root: Path, event_log_path: Path | None = None) -> None:
         self.config = config
         self.reporter = reporter
         self.log_root = log_root
@@ -65,7 +65,7 @@ class Agent:
             self._run_dir.rmdir()
             self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-", dir="/tmp"))
         self.ctl_addr = f"ipc://{self._run_dir}/ctl"
-        self.event_log_path = config.event_log or (log_root / "events.jsonl")
+        self.event_log_path = event_log_path or config.event_log or (log_root / "events.jsonl")
         self.event_log = EventLog(self.event_log_path)
         self.t0 = time.monotonic()
         self.store: AgentStore | None = None
@@ -129,6 +129,7 @@ class Agent:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(sig_r.fileno(), zmq.POLLIN)
+        self._register_extra(poller)
         registered_fds: dict[int, int] = {}
         assert self.job is not None
         while self.exit_code is None:
@@ -143,6 +144,9 @@ class Agent:
             ready = dict(poller.poll(timeout * 1000))
             if router in ready:
                 self._drain_router(router)
+            self._handle_extra(ready)
+            if self.exit_code is not None:
+                break
             if sig_r.fileno() in ready:
                 for signum in _drain_signals(sig_r):
                     self._execute(self.job.on_signal(signum, time.monotonic()))
@@ -157,6 +161,12 @@ class Agent:
             self._execute(self.job.tick(now, self._stopped(self.job.silent_slots(now))))
             self._flush(router)
             self._publish(time.monotonic())
+
+    def _register_extra(self, poller: zmq.Poller) -> None:
+        """More sockets for the one loop (a node agent's link to the coordinator); none on one node."""
+
+    def _handle_extra(self, ready: dict) -> None:
+        """Handle what :meth:`_register_extra` registered."""
 
     def _reap(self, slot_id: int) -> None:
         assert self.job is not None
@@ -298,8 +308,8 @@ class Agent:
                 if proc is not None:
                     proc.signal_group(action.signum)
             elif isinstance(action, ResetStore):
-                assert self.store is not None
-                self.store.reset()
+                if self.store is not None:  # a node agent's store lives with the coordinator
+                    self.store.reset()
                 self.ends = envs.JobEndpoints(**{**self.ends.__dict__, "attempt_dir": self._attempt_dir(action.attempt)})
             elif isinstance(action, Record):
                 fields = dict(action.fields)

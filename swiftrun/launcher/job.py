@@ -68,6 +68,7 @@ class Slot:
     slot_id: int
     rank: int | None  # None: a spare
     incarnation: int
+    node: int = 0  # the node slot whose agent runs it (always 0 on one node)
     state: WorkerState = WorkerState.STARTING
     pid: int | None = None
     spawned_at: float = 0.0
@@ -152,6 +153,9 @@ class Job:
         self._restart_pending = False
         self._restart_started = now
         self._records: list[Action] = []  # records produced outside an event's action list (recovery end)
+        # multi-node: node slots that have no agent right now (lost, not yet taken over); no spare is started
+        # there until an agent holds the slot again (on_node_joined)
+        self.vacant_nodes: set[int] = set()
 
     # ------------------------------------------------------------------ events
 
@@ -288,6 +292,36 @@ class Job:
         if self.released:
             return self._on_late_failure(slot, failure, now)
         return self._on_failures([(slot, failure)], now, detect=0.0)
+
+    def on_node_lost(self, node: int, now: float, cause: str, detect: float = 0.0) -> list[Action]:
+        """Every process of node slot ``node`` is gone with its agent (multi-node): its spares leave quietly and
+        its ranks fail together, as one batch, so one generation repairs them all. Replacements are spawned on
+        that node slot, for whichever agent takes it over (the restarted node or a hot spare)."""
+        self.vacant_nodes.add(node)
+        actions: list[Action] = []
+        failed: list[tuple[Slot, ProcessFailure]] = []
+        for slot in [s for s in self.slots.values() if s.node == node and s.alive]:
+            if slot.rank is None:
+                slot.state = WorkerState.EXITED
+                continue
+            if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+                actions += self._set_state(slot, WorkerState.FAILED, now)
+                continue
+            failed.append((slot, self._failure(slot, now - detect, f"node {node} lost: {cause}")))
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            return actions + self._maybe_finish(now)
+        if not failed:
+            return actions
+        if self.released:
+            for slot, failure in failed:
+                actions += self._on_late_failure(slot, failure, now)
+            return actions
+        return actions + self._on_failures(failed, now, detect=detect)
+
+    def on_node_joined(self, node: int, now: float) -> list[Action]:
+        """An agent holds node slot ``node`` again: it gets its share of warm spares."""
+        self.vacant_nodes.discard(node)
+        return self._replenish_spares(now)
 
     def on_signal(self, signum: int, now: float) -> list[Action]:
         if self._stop_signal is not None:
@@ -426,7 +460,7 @@ class Job:
         assert slot.rank is not None
         return ProcessFailure(
             rank=slot.rank,
-            local_rank=slot.rank - self.config.node_rank * self.config.nproc_per_node,
+            local_rank=slot.rank % self.config.nproc_per_node,
             pid=slot.pid or 0,
             exitcode=exitcode,
             timestamp=now + self.wall_offset,
@@ -802,7 +836,7 @@ class Job:
         return actions + self._replenish_spares(now)
 
     def _spawn_rank(self, rank: int, now: float, incarnation: int, joining: bool) -> list[Action]:
-        spare = self._take_spare() if joining else None
+        spare = self._take_spare(self._node_of_rank(rank)) if joining else None
         if spare is not None:
             spare.rank = rank
             spare.incarnation = incarnation
@@ -821,12 +855,16 @@ class Job:
         if joining:
             slot.join_deadline = now + self.config.timeouts.startup_timeout
         self.rank_slot[rank] = slot.slot_id
-        return [Spawn(slot.slot_id, rank, incarnation, self.generation, self.attempt, joining)]
+        return [Spawn(slot.slot_id, rank, incarnation, self.generation, self.attempt, joining, slot.node)]
 
-    def _take_spare(self) -> Slot | None:
+    def _node_of_rank(self, rank: int) -> int:
+        """Stable slots: node slot k owns ranks [k*P, (k+1)*P) for the whole job (0 on one node)."""
+        return rank // self.config.nproc_per_node if self.config.multinode else 0
+
+    def _take_spare(self, node: int) -> Slot | None:
         for slot in self.slots.values():
             # STARTING is a spare's waiting state; one being stopped (restart, shutdown) is no spare any more
-            if slot.rank is None and slot.state is WorkerState.STARTING and slot.hello:
+            if slot.rank is None and slot.node == node and slot.state is WorkerState.STARTING and slot.hello:
                 return slot
         return None
 
@@ -843,15 +881,21 @@ class Job:
             or self.spare_failures >= 3  # spares that keep dying are not worth it: replacements start cold
         ):
             return []
-        have = sum(1 for s in self.slots.values() if s.rank is None and s.alive)
         actions: list[Action] = []
-        for _ in range(self.config.spares - have):
-            slot = self._new_slot(None, 0, now)
-            actions.append(Spawn(slot.slot_id, None, 0, self.generation, self.attempt, False))
+        nodes = range(self.config.nnodes[0]) if self.config.multinode else range(1)
+        for node in nodes:
+            if node in self.vacant_nodes:
+                continue
+            have = sum(1 for s in self.slots.values() if s.rank is None and s.node == node and s.alive)
+            for _ in range(self.config.spares - have):
+                slot = self._new_slot(None, 0, now, node)
+                actions.append(Spawn(slot.slot_id, None, 0, self.generation, self.attempt, False, node))
         return actions
 
-    def _new_slot(self, rank: int | None, incarnation: int, now: float) -> Slot:
-        slot = Slot(self._next_slot, rank, incarnation, spawned_at=now, last_seen=now)
+    def _new_slot(self, rank: int | None, incarnation: int, now: float, node: int | None = None) -> Slot:
+        if node is None:
+            node = self._node_of_rank(rank) if rank is not None else 0
+        slot = Slot(self._next_slot, rank, incarnation, node=node, spawned_at=now, last_seen=now)
         self._next_slot += 1
         self.slots[slot.slot_id] = slot
         return slot

@@ -31,7 +31,7 @@ REFUSED = [
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No PET_/SWIFTRUN_ variable of the developer's shell leaks in; train.py exists in the cwd."""
     for name in list(os.environ):
-        if name.startswith(("PET_", "SWIFTRUN_")) or name == "TORCH_ELASTIC_SHUTDOWN_TIMEOUT":
+        if name.startswith(("PET_", "SWIFTRUN_", "SLURM_")) or name == "TORCH_ELASTIC_SHUTDOWN_TIMEOUT":
             monkeypatch.delenv(name)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
@@ -230,9 +230,12 @@ def test_event_log_handler_null_is_accepted(launched) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--nnodes", "2"], "multi-node is not implemented yet"),
-        (["--nnodes", "1:2"], "multi-node is not implemented yet"),
-        (["--node-rank", "1"], "multi-node is not implemented yet"),
+        (["--nnodes", "2"], "several nodes with the static backend need --master-addr and --master-port"),
+        (["--nnodes", "2", "--standalone"], "--standalone runs one node"),
+        (["--nnodes", "1:2", "--node-rank", "2", "--master-port", "5"], "--node-rank 2 is outside --nnodes 1:2"),
+        (["--node-rank", "-1"], "--node-rank must be >= 0"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=x"], "join_timeout='x'"),
+        (["--nnodes", "2", "--master-port", "5", "--node-lease", "20"], "must be shorter than node-timeout"),
         (["--rdzv-backend", "etcd"], "--rdzv-backend etcd is not supported"),
         (["--rdzv-backend", "etcd-v2"], "--rdzv-backend etcd-v2 is not supported"),
         (["--rdzv-backend", "zookeeper"], "--rdzv-backend 'zookeeper' is unknown"),
@@ -406,7 +409,7 @@ def test_main_reports_config_errors_on_stderr(launched, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--nnodes", "2", "train.py"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("swiftrun: error: --nnodes 2: multi-node is not implemented yet")
+    assert capsys.readouterr().err.startswith("swiftrun: error: several nodes with the static backend need")
 
 
 def test_report_is_dispatched(monkeypatch, launched) -> None:

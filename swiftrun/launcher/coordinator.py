@@ -1,0 +1,378 @@
+"""The job's coordinator (multi-node): the c10d TCPStore, the job-level ROUTER, the node table and the supervisor.
+
+One per job. It runs inside node 0's agent (a thread with its own event loop and sockets: the default, as
+torchrun's agent store) or as its own process on a host that trains nothing (``swiftrun coordinator``), so that
+losing any training node is an in-place recovery. It holds the one :class:`~swiftrun.launcher.job.Job` of the
+whole world, with stable slots (node slot k owns ranks [k*P, (k+1)*P)), and routes that state machine's actions
+to the agent holding each node slot; agents turn their workers' moments into the state machine's events.
+
+Node loss is seen two ways: the agent's TCP connection closes (the ROUTER's socket monitor: a loud loss, at
+once), or the agent stays silent for ``--node-timeout`` (a frozen or partitioned node). Either way its ranks
+fail as one batch (one generation), and their replacements wait for whoever takes the slot: the same node
+restarted, or a hot spare at once. Every store call lives in the workers; this loop makes none.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from swiftrun.config import LaunchConfig
+from swiftrun.errors import LaunchError, ProtocolError
+from swiftrun.events import EventLog, EventName
+from swiftrun.launcher import wire
+from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
+from swiftrun.launcher.failures import format_summary
+from swiftrun.launcher.job import Job
+from swiftrun.launcher.nodes import Accepted, Node, NodeTable
+from swiftrun.launcher.store import AgentStore
+from swiftrun.launcher.wire import NodeKind, ReportKind
+from swiftrun.protocol import EventKind
+
+FINISH_GRACE = 5.0
+PROGRESS_PERIOD = 0.25  # seconds the coordinator waits for agents to leave after FINISH
+
+
+def fingerprint(config: LaunchConfig) -> dict[str, Any]:
+    """What every agent of one job must agree on."""
+    ep = config.entrypoint
+    return {
+        "nnodes": list(config.nnodes), "nproc_per_node": config.nproc_per_node, "kind": ep.kind.value,
+        "script": ep.target, "args": list(ep.args), "rdzv_id": config.rdzv_id, "recovery": config.recovery.value,
+        "max_restarts": config.max_restarts, "max_recoveries": config.max_recoveries,
+    }
+
+
+def control_endpoint(config: LaunchConfig, store_port: int) -> int:
+    return config.control_port or store_port + 1
+
+
+class Coordinator:
+    def __init__(self, config: LaunchConfig, event_log_path: Path, registers: bool) -> None:
+        self.config = config
+        self.registers = registers
+        self.nodes = NodeTable(config.nnodes[0], config.timeouts.node_timeout)
+        self.nodes.fingerprint = fingerprint(config)
+        self.event_log = EventLog(event_log_path)
+        self.job: Job | None = None
+        self.pending: dict[int, list[Action]] = {k: [] for k in range(config.nnodes[0])}
+        self.stopped: dict[int, frozenset[int]] = {}
+        self.exit_code: int | None = None
+        self.finish_deadline: float | None = None
+        self.t0 = time.monotonic()
+        self.store = AgentStore(config.master_addr, config.master_port, config.world_size)
+        self.port = control_endpoint(config, self.store.port)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.router_mandatory = 1
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        try:
+            self.router.bind(f"tcp://*:{self.port}")
+        except zmq.ZMQError as exc:
+            self.close()
+            raise LaunchError(f"cannot open the coordinator's control port {self.port}: {exc} (--rdzv-conf "
+                              "control_port=N picks another)") from None
+        self._fd_identity: dict[int, bytes] = {}
+        self._last_progress: tuple[float, Any] = (0.0, None)
+        self.event_log.write(EventName.JOB_START, world_size=config.world_size, nnodes=config.nnodes[0],
+                             script=config.entrypoint.target, pid=os.getpid(), coordinator=True)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop_fd: int | None = None) -> int:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        if stop_fd is not None:
+            poller.register(stop_fd, zmq.POLLIN)
+        try:
+            while True:
+                now = time.monotonic()
+                if self.finish_deadline is not None and (now >= self.finish_deadline or not self.nodes.current()):
+                    break
+                ready = dict(poller.poll(max(0.0, self._next_deadline(now) - now) * 1000))
+                if stop_fd is not None and stop_fd in ready:
+                    break
+                if self.monitor in ready:
+                    self._drain_monitor()
+                if self.router in ready:
+                    self._drain_router()
+                self._tick(time.monotonic())
+        finally:
+            self.close()
+        return self.exit_code if self.exit_code is not None else 1
+
+    def _next_deadline(self, now: float) -> float:
+        candidates = [now + self.config.timeouts.heartbeat_interval, self.nodes.next_deadline(now)]
+        if self.job is not None:
+            candidates.append(self.job.next_deadline(now))
+        if self.finish_deadline is not None:
+            candidates.append(self.finish_deadline)
+        return max(now, min(candidates))
+
+    def _tick(self, now: float) -> None:
+        for node in self.nodes.tick(now):
+            self._node_gone(node, f"silent for more than {self.config.timeouts.node_timeout:g}s", now,
+                            detect=now - node.last_seen)
+        if self.job is None and self.exit_code is None and now - self.t0 > self.config.timeouts.join_timeout:
+            missing = ", ".join(map(str, self.nodes.vacant()))
+            self._note(f"node slot(s) {missing} did not join within {self.config.timeouts.join_timeout:g}s "
+                       "(--rdzv-conf join_timeout)")
+            self._finish(1, now)
+        if self.job is not None:
+            stopped = frozenset().union(*self.stopped.values()) if self.stopped else frozenset()
+            self._execute(self.job.tick(now, stopped), now)
+
+    # ------------------------------------------------------------------ messages
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            fd = event["value"]
+            identity = self._fd_identity.pop(fd, None)
+            if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
+                node = self.nodes.lose(identity)
+                if node is not None:
+                    self._node_gone(node, "its agent's connection closed", time.monotonic())
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            try:
+                self._fd_identity[frames[1].get(zmq.SRCFD)] = identity
+            except zmq.ZMQError:
+                pass
+            try:
+                kind, body = wire.decode([f.bytes for f in frames[1:]])
+            except ProtocolError as exc:
+                self._note(f"dropped a malformed node message: {exc}")
+                continue
+            now = time.monotonic()
+            if kind is NodeKind.JOIN:
+                self._on_join(identity, body, now)
+                continue
+            node = self.nodes.seen(identity, now)
+            if node is None:
+                self._send(identity, NodeKind.FENCED, {"reason": "this agent is not the current incarnation of "
+                                                                 "its node slot any more"})
+                continue
+            if kind is NodeKind.BEAT:
+                self._send(identity, NodeKind.LEASE, {})
+                self._on_beat(node, body, now)
+            elif kind is NodeKind.REPORT:
+                self._on_report(node, body, now)
+
+    def _on_join(self, identity: bytes, body: dict[str, Any], now: float) -> None:
+        if body.get("proto") != wire.NODE_PROTOCOL_VERSION:
+            self._send(identity, NodeKind.REFUSE, {"reason": "swiftrun versions differ between nodes", "exit_code": 2})
+            return
+        info = {"host": body.get("host"), "pid": body.get("pid")}
+        result = self.nodes.join(identity, int(body.get("node_rank", -1)), dict(body.get("fingerprint") or {}), now,
+                                 info)
+        if not isinstance(result, Accepted):
+            self._note(f"refused the agent of node rank {body.get('node_rank')} ({info['host']}): {result.reason}")
+            self._send(identity, NodeKind.REFUSE, {"reason": result.reason, "exit_code": 2})
+            return
+        node = result.node
+        repeated = node.joined_at != now
+        self._send(identity, NodeKind.ACCEPT, {
+            "slot": node.slot, "incarnation": node.incarnation, "store_host": self.config.master_addr,
+            "store_port": self.store.port, "run_id": self.config.rdzv_id,
+        })
+        if repeated:
+            return  # a JOIN sent again before our answer arrived
+        self._log(EventName.NODE_JOINED, node_rank=node.node_rank, slot=node.slot, incarnation=node.incarnation,
+                  **info)
+        self._note(f"node rank {node.node_rank} joined" + (f" as slot {node.slot} (incarnation {node.incarnation})"
+                                                           if node.slot is not None else " as a hot spare"))
+        if node.slot is not None:
+            self._slot_filled(node, now)
+        elif self.job is not None:
+            for slot in self.nodes.vacant():
+                self._take_over(slot, now)
+
+    def _on_beat(self, node: Node, body: dict[str, Any], now: float) -> None:
+        if self.job is None or node.slot is None:
+            return
+        mine = {sid for sid, s in self.job.slots.items() if s.node == node.slot}
+        for key, step in dict(body.get("seen") or {}).items():
+            if int(key) in mine:
+                self.job.on_alive(int(key), now, step if isinstance(step, int) else None)
+        for key, status in dict(body.get("status") or {}).items():
+            if int(key) in mine and isinstance(status, list) and len(status) == 4:
+                self._execute(self.job.on_status(int(key), now, *status), now)
+                if self.job.slots[int(key)].rank == 0:
+                    self._progress(now, status)
+        self.stopped[node.slot] = frozenset(int(s) for s in body.get("stopped") or () if int(s) in mine)
+
+    def _on_report(self, node: Node, body: dict[str, Any], now: float) -> None:
+        if self.job is None or node.slot is None:
+            return
+        try:
+            what = ReportKind(body["what"])
+            slot_id = int(body["slot_id"])
+            data = dict(body.get("data") or {})
+        except (KeyError, ValueError, TypeError):
+            self._note(f"dropped a malformed report from node slot {node.slot}")
+            return
+        if what is ReportKind.SIGNAL:
+            self._execute(self.job.on_signal(int(data["signum"]), now), now)
+            return
+        slot = self.job.slots.get(slot_id)
+        if slot is None or slot.node != node.slot:
+            return  # not this node's process (a stale report)
+        if what is ReportKind.SPAWNED:
+            self._execute(self.job.on_spawned(slot_id, int(data["pid"]), now), now)
+        elif what is ReportKind.SPAWN_FAILED:
+            self._execute(self.job.on_spawn_failed(slot_id, str(data.get("reason")), now), now)
+        elif what is ReportKind.HELLO:
+            self._execute(self.job.on_hello(slot_id, int(data.get("gen", 0)), now), now)
+        elif what is ReportKind.EVENT:
+            try:
+                kind = EventKind(data["event"])
+            except (KeyError, ValueError):
+                return
+            self._execute(self.job.on_event(slot_id, int(data.get("gen", 0)), kind, dict(data.get("data") or {}),
+                                            now), now)
+        elif what is ReportKind.EXITED:
+            if data.get("traceback") and slot.traceback is None:
+                slot.traceback = str(data["traceback"])
+            self._execute(self.job.on_exit(slot_id, int(data["returncode"]), now,
+                                           error_file=data.get("error_file")), now)
+
+    def _progress(self, now: float, status: list[Any]) -> None:
+        """Rank 0's progress, sampled (at most every PROGRESS_PERIOD), for the report's timeline."""
+        step, loss, step_time, _ = status
+        if step == self._last_progress[1] or now - self._last_progress[0] < PROGRESS_PERIOD:
+            return
+        self._last_progress = (now, step)
+        self.event_log.write(EventName.PROGRESS, at=now, step=step, loss=loss, step_time=step_time)
+
+    # ------------------------------------------------------------------ membership
+
+    def _slot_filled(self, node: Node, now: float) -> None:
+        assert node.slot is not None
+        if self.job is None:
+            if self.nodes.full():
+                self.job = Job(self.config, now, wall_offset=time.time() - time.monotonic(), registers=self.registers)
+                self._note(f"every node joined: starting {self.config.world_size} ranks on "
+                           f"{self.config.nnodes[0]} nodes")
+                self._execute(self.job.start(now), now)
+            return
+        self._execute(self.job.on_node_joined(node.slot, now), now)
+        queued, self.pending[node.slot] = self.pending[node.slot], []
+        for action in queued:
+            self._send(node.identity, NodeKind.DO, wire.action_body(action))
+
+    def _take_over(self, slot: int, now: float) -> None:
+        spare = self.nodes.take_over(slot, now)
+        if spare is None:
+            return
+        self._log(EventName.NODE_TAKEOVER, node_rank=spare.node_rank, slot=slot, incarnation=spare.incarnation)
+        self._note(f"hot-spare node rank {spare.node_rank} takes over node slot {slot}")
+        self._send(spare.identity, NodeKind.TAKE, {"slot": slot, "incarnation": spare.incarnation})
+        self._slot_filled(spare, now)
+
+    def _node_gone(self, node: Node, cause: str, now: float, detect: float = 0.0) -> None:
+        if self.exit_code is not None:
+            return  # the job is over: agents leaving is expected
+        self._log(EventName.NODE_LOST, node_rank=node.node_rank, slot=node.slot, incarnation=node.incarnation,
+                  cause=cause)
+        self._send(node.identity, NodeKind.FENCED, {"reason": f"this node was declared lost: {cause}"})
+        if node.slot is None:
+            self._note(f"hot-spare node rank {node.node_rank} left: {cause}")
+            return
+        self._note(f"node slot {node.slot} (node rank {node.node_rank}) lost: {cause}")
+        self.stopped.pop(node.slot, None)
+        if self.job is None or self.exit_code is not None:
+            return
+        self.pending[node.slot] = []
+        self._execute(self.job.on_node_lost(node.slot, now, cause, detect=detect), now)
+        if self.exit_code is None:
+            self._take_over(node.slot, now)
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, actions: list[Action], now: float) -> None:
+        assert self.job is not None
+        for action in actions + self.job.drain_records():
+            if isinstance(action, Spawn):
+                self._route(action.node, action)
+            elif isinstance(action, (Assign, Send, Kill)):
+                self._route(self.job.slots[action.slot_id].node, action, queue=isinstance(action, Assign))
+            elif isinstance(action, ResetStore):
+                self.store.reset()
+                for node in self.nodes.current():
+                    self._send(node.identity, NodeKind.DO, wire.action_body(action))
+            elif isinstance(action, Record):
+                fields = dict(action.fields)
+                if isinstance(fields.get("start"), float):
+                    fields["start"] = self.event_log.since_start(fields["start"])
+                self.event_log.write(action.event, at=action.at, **fields)
+            elif isinstance(action, Note):
+                self._note(action.text)
+            elif isinstance(action, Finish):
+                self._finish(action.exit_code, now)
+
+    def _route(self, slot: int, action: Action, queue: bool = True) -> None:
+        holder = self.nodes.holder.get(slot)
+        if holder is None:
+            if queue:
+                self.pending[slot].append(action)  # for whoever takes the slot
+            return
+        self._send(holder.identity, NodeKind.DO, wire.action_body(action))
+
+    def _finish(self, code: int, now: float) -> None:
+        if self.exit_code is not None:
+            return
+        self.exit_code = code
+        self.nodes.close("it finished" if code == 0 else f"it failed with exit code {code}")
+        for node in self.nodes.current():
+            self._send(node.identity, NodeKind.DO, wire.action_body(Finish(code)))
+        self.finish_deadline = now + FINISH_GRACE
+
+    # ------------------------------------------------------------------ output
+
+    def _send(self, identity: bytes, kind: NodeKind, body: dict[str, Any]) -> None:
+        try:
+            self.router.send_multipart([identity, *wire.encode(kind, body)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the agent is gone: its connection's close or its silence tells the node table
+
+    def _note(self, text: str) -> None:
+        print(f"swiftrun coordinator: {text}", file=sys.stderr, flush=True)
+
+    def _log(self, event: EventName, **fields: Any) -> None:
+        self.event_log.write(event, **fields)
+
+    def close(self) -> None:
+        if self.router.closed:
+            return
+        if self.job is not None:
+            self.event_log.write(EventName.JOB_END, outcome="succeeded" if self.exit_code == 0 else "failed",
+                                 exit_code=self.exit_code, duration=time.monotonic() - self.t0,
+                                 failures=len(self.job.failures), time_lost=self.job.time_lost,
+                                 failures_after_release=len(self.job.late_failures))
+            if self.exit_code not in (0, None) and self.job.failures:
+                print(format_summary(self.config.entrypoint.target, self.job.failures), file=sys.stderr, flush=True)
+        self.router.disable_monitor()
+        self.monitor.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+        self.event_log.close()
+        self.store.close()
