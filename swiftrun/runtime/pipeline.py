@@ -64,8 +64,8 @@ def stages_of(spec: Any) -> tuple[Any, list[Any]]:
             stages.append(item)
         else:
             raise RegistrationError(
-                f"swiftrun.Run(pipeline=...) takes a torch.distributed.pipelining schedule or PipelineStage(s), got "
-                f"{type(item).__name__}")
+                f"swiftrun.Run(pipeline=...) takes a torch.distributed.pipelining schedule or PipelineStage(s), or "
+                f"a swiftrun.Stage for a hand-written point-to-point pipeline, got {type(item).__name__}")
     for stage in stages:
         if getattr(stage, "_user_meta", None) is None or stage._user_meta.inputs is None:
             raise RegistrationError(
@@ -80,7 +80,12 @@ class Pipeline:
 
     def __init__(self, rec: Any, spec: Any, checkpoint_every: int) -> None:
         self.rec = rec
-        self.schedule, self.stages = stages_of(spec)
+        from swiftrun.runtime.p2p import P2PTap, Stage
+
+        # the tap that sees the stage boundaries: torch pipelining's stage factories (wrapped below), or the
+        # script's own point-to-point calls (runtime/p2p.py); the log, checkpoints and replay are shared
+        self.tap: P2PTap | None = None
+        self.schedule, self.stages = (None, []) if isinstance(spec, Stage) else stages_of(spec)
         self.seed = torch.initial_seed()
         self.every = max(1, int(checkpoint_every))
         self.log: dict[Key, torch.Tensor] = {}
@@ -97,15 +102,21 @@ class Pipeline:
         self._volume_now: dict[tuple[int, int], int] = {}
         for stage in self.stages:
             self._wrap(stage)
+        if isinstance(spec, Stage):
+            self.tap = P2PTap(self, spec)
 
     # ------------------------------------------------------------------ topology
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
+        if self.tap is not None:
+            return self.tap.stage_indices
         return tuple(sorted(s.stage_index for s in self.stages))
 
     def pipe_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's pipeline, in the order of their first stage."""
+        if self.tap is not None:
+            return self.tap.pipe
         stage = self.stages[0]
         ranks: list[int] = []
         for index in range(stage.num_stages):
@@ -227,6 +238,8 @@ class Pipeline:
     def begin_step(self, step: int) -> None:
         """Garbage-collect logs, and exchange stage checkpoints when one is due (may raise on a peer failure)."""
         self._coll_seq = 0
+        if self.tap is not None:
+            self.tap.begin_step()
         if self.replay is not None:
             return
         if self._gc_at is not None and step > self._gc_at:
