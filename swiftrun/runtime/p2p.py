@@ -187,6 +187,16 @@ def install(tap: P2PTap) -> None:
         setattr(dist, name, fn)  # the same object: P2POp's identity check and batch_isend_irecv see one function
 
 
+def uninstall() -> None:
+    """Put torch's own functions back (tests)."""
+    global _tap
+    _tap = None
+    for name, fn in _originals.items():
+        setattr(dist.distributed_c10d, name, fn)
+        setattr(dist, name, fn)
+    _originals.clear()
+
+
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     sending, blocking = "send" in name, not name.startswith("i")
     peer_name = "dst" if sending else "src"
