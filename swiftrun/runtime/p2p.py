@@ -171,6 +171,7 @@ def _skipped(blocking: bool) -> Any:
 
 _tap: P2PTap | None = None
 _originals: dict[str, Callable[..., Any]] = {}
+_originals_of_class: dict[str, Callable[..., Any]] = {}
 
 
 def install(tap: P2PTap) -> None:
@@ -185,6 +186,10 @@ def install(tap: P2PTap) -> None:
             fn = _wrap(name, fn)
             setattr(c10d, name, fn)
         setattr(dist, name, fn)  # the same object: P2POp's identity check and batch_isend_irecv see one function
+    op_class = c10d.P2POp
+    if "__init__" not in _originals_of_class:
+        _originals_of_class["__init__"] = op_class.__init__
+        op_class.__init__ = _p2pop_init(op_class.__init__)
 
 
 def uninstall() -> None:
@@ -195,6 +200,22 @@ def uninstall() -> None:
         setattr(dist.distributed_c10d, name, fn)
         setattr(dist, name, fn)
     _originals.clear()
+    if "__init__" in _originals_of_class:
+        dist.distributed_c10d.P2POp.__init__ = _originals_of_class.pop("__init__")  # type: ignore[method-assign]
+
+
+def _p2pop_init(init: Callable[..., Any]) -> Callable[..., Any]:
+    """``P2POp`` resolves its peer against its group when built: a group the script created before a recovery is
+    replaced by its counterpart of the current generation first (the old one is destroyed)."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None,
+                 tag: int = 0, group_peer: int | None = None) -> None:
+        if group is not None and subgroups.count():
+            group = subgroups.current(group)
+        init(self, op, tensor, peer, group, tag, group_peer)
+
+    return __init__
 
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -37,8 +37,8 @@ def batch(seed: int, step: int, size: int, hidden: int) -> tuple[torch.Tensor, t
 class Stage:
     """One stage's micro-batch operations; ``pending`` holds the asynchronous sends until the step's end."""
 
-    def __init__(self, module: nn.Module, stage: int, stages: int, api: str) -> None:
-        self.module, self.stage, self.stages, self.api = module, stage, stages, api
+    def __init__(self, module: nn.Module, stage: int, stages: int, api: str, group: object = None) -> None:
+        self.module, self.stage, self.stages, self.api, self.group = module, stage, stages, api, group
         self.first, self.last = stage == 0, stage == stages - 1
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -47,7 +47,7 @@ class Stage:
     def forward(self, m: int, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor | None:
         if not self.first:
             x = torch.empty_like(x)
-            dist.recv(x, src=self.stage - 1)
+            dist.recv(x, src=self.stage - 1, group=self.group)
             x.requires_grad_()
         out = self.module(x)
         self.inputs[m] = x
@@ -58,9 +58,9 @@ class Stage:
         self.outputs[m] = out
         sent = out.detach()
         if self.api == "sync":
-            dist.send(sent, dst=self.stage + 1)
+            dist.send(sent, dst=self.stage + 1, group=self.group)
         else:
-            self.pending.append((sent, dist.isend(sent, dst=self.stage + 1)))
+            self.pending.append((sent, dist.isend(sent, dst=self.stage + 1, group=self.group)))
         return None
 
     def backward(self, m: int) -> None:
@@ -70,18 +70,18 @@ class Stage:
         else:
             grad = torch.empty_like(out)
             if self.api == "sync":
-                dist.recv(grad, src=self.stage + 1)
+                dist.recv(grad, src=self.stage + 1, group=self.group)
             else:
-                for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, grad, self.stage + 1)]):
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, grad, self.stage + 1, self.group)]):
                     work.wait()
             out.backward(grad)
         x = self.inputs.pop(m)
         if not self.first:
             sent = x.grad.detach()
             if self.api == "sync":
-                dist.send(sent, dst=self.stage - 1)
+                dist.send(sent, dst=self.stage - 1, group=self.group)
             else:
-                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, self.stage - 1)])
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, self.stage - 1, self.group)])
                 self.pending.extend((sent, w) for w in works)
 
     def finish(self) -> None:
@@ -130,6 +130,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.0, help="clip the global grad norm (all-reduced over stages)")
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group", action="store_true", help="run the pipeline on a subgroup of its own (dist.new_group)")
     p.add_argument("--save-dir", required=True)
     args = p.parse_args()
 
@@ -137,12 +138,13 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank, stages = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    group = dist.new_group(list(range(stages))) if distributed and args.group else None
 
     module = stage_module(rank, args.hidden, args.dropout, args.seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    run = swiftrun.Run(model=module, optimizer=optimizer, pipeline=swiftrun.Stage(index=rank, num_stages=stages),
+    run = swiftrun.Run(model=module, optimizer=optimizer, pipeline=swiftrun.Stage(index=rank, num_stages=stages, group=group),
                        checkpoint_every=args.ckpt_every)
-    st = Stage(module, rank, stages, args.api)
+    st = Stage(module, rank, stages, args.api, group)
     for step in run.steps(args.steps):
         with run.guard():
             x, y = batch(args.seed, step, args.batch, args.hidden)
@@ -151,7 +153,7 @@ def main() -> None:
             if args.clip:
                 sq = torch.stack([p_.grad.pow(2).sum() for p_ in module.parameters()]).sum().reshape(1)
                 if distributed:
-                    dist.all_reduce(sq)
+                    dist.all_reduce(sq, group=group)
                 scale = torch.clamp(args.clip / (sq.sqrt() + 1e-6), max=1.0)
                 for p_ in module.parameters():
                     p_.grad.mul_(scale)
