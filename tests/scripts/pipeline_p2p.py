@@ -142,8 +142,8 @@ def main() -> None:
 
     module = stage_module(rank, args.hidden, args.dropout, args.seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    run = swiftrun.Run(model=module, optimizer=optimizer, pipeline=swiftrun.Stage(index=rank, num_stages=stages, group=group),
-                       checkpoint_every=args.ckpt_every)
+    run = swiftrun.Run(model=module, optimizer=optimizer, checkpoint_every=args.ckpt_every,
+                       pipeline=swiftrun.Stage(index=rank, num_stages=stages, group=group))
     st = Stage(module, rank, stages, args.api, group)
     for step in run.steps(args.steps):
         with run.guard():
