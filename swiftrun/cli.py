@@ -511,6 +511,18 @@ def launch(
         _own("--transfer-chunk-mb", panel=SWIFT, metavar="MB",
              help="Chunk size of a recovery's state transfer (0: 16 on the CPU, 64 on a GPU)."),
     ] = 0,
+    log_budget: Annotated[
+        str | None,
+        _own("--log-budget", panel=SWIFT, metavar="SIZE",
+             help="Pipelines: bytes of stage-boundary logs to keep (e.g. 2GiB); stages are grouped to minimise "
+                  "the expected replay within it (default: log every boundary)."),
+    ] = None,
+    stage_ckpt_dir: Annotated[
+        Path | None,
+        _own("--stage-ckpt-dir", panel=SWIFT, metavar="DIR",
+             help="Pipelines: also write every stage checkpoint here (shared storage), so that adjacent stages "
+                  "lost together can still be replayed."),
+    ] = None,
     spares: Annotated[int, _own("--spares", panel=SWIFT, help="Warm spare workers kept ready to replace a rank.")] = 1,
     heartbeat_interval: Annotated[
         float, _own("--heartbeat-interval", panel=SWIFT, metavar="SECONDS", help="Worker heartbeat period.")
@@ -662,6 +674,8 @@ def launch(
             startup_restarts=startup_restarts,
             verify_every=verify_every,
             transfer_chunk_mb=transfer_chunk_mb,
+            log_budget=_size(log_budget),
+            stage_ckpt_dir=stage_ckpt_dir,
             spares=spares,
             dashboard=dashboard,
             event_log=event_log,
@@ -674,6 +688,18 @@ def launch(
     except SwiftrunError as err:
         _fail(err)
     raise typer.Exit(code)
+
+
+def _size(flag: str | None) -> int | None:
+    """--log-budget SIZE (2GiB, 500MB, 123) in bytes; bad text is a ConfigError naming the flag."""
+    if flag is None:
+        return None
+    from swiftrun.pipeline.planner import PlanError, parse_size
+
+    try:
+        return parse_size(flag)
+    except PlanError as err:
+        raise ConfigError(f"--log-budget: {err}") from None
 
 
 def _shutdown_timeout(flag: float | None) -> float:

@@ -159,6 +159,8 @@ class LaunchConfig:
     startup_restarts: int = 3
     verify_every: int = 0  # also compare every rank's whole state every N steps (0: only after recoveries)
     transfer_chunk_mb: int = 0  # state transfer chunk size in MiB (0: 16 on the CPU, 64 on a GPU)
+    log_budget: int | None = None  # pipelines: bytes of boundary logs allowed (None: log every boundary)
+    stage_ckpt_dir: Path | None = None  # pipelines: also write stage checkpoints here (survives adjacent losses)
     spares: int = 1
     dashboard: bool | None = None  # None: on when stdout is a terminal
     event_log: Path | None = None
@@ -175,6 +177,8 @@ class LaunchConfig:
             raise ConfigError(f"--master-port {self.master_port} is not a TCP port")
         if self.max_restarts < 0 or self.max_recoveries < 0 or self.spares < 0 or self.startup_restarts < 0:
             raise ConfigError("--max-restarts, --max-recoveries, --startup-restarts and --spares must be >= 0")
+        if self.log_budget is not None and self.log_budget < 0:
+            raise ConfigError("--log-budget must be >= 0")
         if self.verify_every < 0 or self.transfer_chunk_mb < 0:
             raise ConfigError("--verify-every and --transfer-chunk-mb must be >= 0 (0: off / the default)")
         if self.monitor_interval <= 0:

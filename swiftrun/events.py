@@ -24,6 +24,7 @@ class EventName(str, enum.Enum):
     RECOVERY_START = "recovery_start"  # generation, failed_ranks, cause
     RECOVERY_PHASE = "recovery_phase"  # generation, phase, start (t of phase start), duration
     RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, lost_steps
+    LOG_PLAN = "log_plan"  # pipelines: the logging groups chosen under --log-budget and their predicted cost
     REPLAY = "replay"  # generation, rank, first, last: a pipeline stage replays these steps alone
     RESTART = "restart"  # attempt, reason
     WARNING = "warning"  # rank, message: recovery would not be exact, a collective was skipped

@@ -38,6 +38,7 @@ class EventKind(str, enum.Enum):
     JOINING = "JOINING"  # a replacement reached swiftrun.Run and waits to join generation g
     ABORTED = "ABORTED"  # a survivor stopped training for generation g and waits for RECOVER
     RECOVERED = "RECOVERED"  # this rank's part of recovery g is done (data: phase timings, plan)
+    LOG_PLAN = "LOG_PLAN"  # rank 0 of a pipeline chose its logging groups (data: message, groups, sizes)
     REPLAYING = "REPLAYING"  # a pipeline stage replays alone towards the recovery point (data: step, first, last)
     UNRECOVERABLE = "UNRECOVERABLE"  # no consistent state can be reached in place (data: reason)
     FINISHING = "FINISHING"  # the training loop ended; waits for every rank before leaving

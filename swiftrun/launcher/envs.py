@@ -29,6 +29,8 @@ RECOVERY_TIMEOUT = "SWIFTRUN_RECOVERY_TIMEOUT"  # survivors' abort; and RECOVER 
 STARTUP_TIMEOUT = "SWIFTRUN_STARTUP_TIMEOUT"  # a replacement's spawn/ASSIGN -> JOINING (its script's preamble)
 FAULTS = "SWIFTRUN_FAULTS"  # ";"-joined FaultSpec encodings
 RECOVERY = "SWIFTRUN_RECOVERY"  # RecoveryMode value
+LOG_BUDGET = "SWIFTRUN_LOG_BUDGET"  # pipelines: bytes of boundary logs allowed (unset: log every boundary)
+STAGE_CKPT_DIR = "SWIFTRUN_STAGE_CKPT_DIR"  # pipelines: stage checkpoints are also written here
 VERIFY_EVERY = "SWIFTRUN_VERIFY_EVERY"  # compare the replicas' whole state every N steps (0: after recoveries)
 TRANSFER_CHUNK_MB = "SWIFTRUN_TRANSFER_CHUNK_MB"  # state transfer chunk, MiB (0: the device's default)
 
@@ -118,6 +120,10 @@ def runtime_env(
     }
     if config.faults:
         env[FAULTS] = ";".join(f.encode() for f in config.faults)
+    if config.log_budget is not None:
+        env[LOG_BUDGET] = str(config.log_budget)
+    if config.stage_ckpt_dir is not None:
+        env[STAGE_CKPT_DIR] = str(config.stage_ckpt_dir.resolve())
     return env
 
 

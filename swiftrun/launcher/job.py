@@ -223,6 +223,8 @@ class Job:
         if kind is EventKind.FAILED:
             slot.traceback = str(data.get("traceback") or "") or None
             return []
+        if kind is EventKind.LOG_PLAN:
+            return [Note(str(data.get("message", ""))), Record(EventName.LOG_PLAN, dict(data))]
         if slot.rank is None or not slot.alive:
             return []
         if kind is EventKind.REGISTERED:
@@ -685,14 +687,17 @@ class Job:
         step, first, last = (int(data.get(k, -1)) for k in ("step", "first", "last"))
         rec.replay = f"rank {slot.rank}: step {step} of {first}..{last}"
         actions: list[Action] = []
+        ranks = [int(r) for r in data.get("ranks", [slot.rank])]
         if RecoveryPhase.REPLAY not in rec.phase_start:
             rec.phase_start[RecoveryPhase.REPLAY] = now
             rec.mode = "replay"
-            actions.append(Note(f"rank {slot.rank} replays its pipeline stage: steps {first}..{last} from its "
-                                "stage checkpoint and its neighbours' logs"))
+            who = f"rank {ranks[0]} replays its stage" if len(ranks) == 1 else \
+                f"ranks {', '.join(map(str, ranks))} replay their stages together"
+            actions.append(Note(f"{who}: steps {first}..{last}, from the stage checkpoint of step {first} and the "
+                                "logs of the neighbouring stages"))
         if step == first:
-            actions.append(Record(EventName.REPLAY, {"generation": gen, "rank": slot.rank, "first": first,
-                                                     "last": last}))
+            actions.append(Record(EventName.REPLAY, {"generation": gen, "rank": slot.rank, "ranks": ranks,
+                                                     "first": first, "last": last}))
         return actions
 
     def _worker_phases(self, now: float) -> list[Action]:

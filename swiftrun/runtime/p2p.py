@@ -16,10 +16,11 @@ The log, the stage checkpoints and the replay are :class:`~swiftrun.runtime.pipe
 - key: ``(step, "p2p", from stage, to stage, tag, n)``, where ``n`` counts the messages from one stage to the other
   with that tag within the step. The sender counts its sends, a replaying receiver its receives: both backends
   deliver in order per (peer, tag), so the n-th receive is the n-th send;
-- live: a host copy of each sent tensor is logged (in a step only), and the call goes through;
-- replay: a send is dropped (an already-completed work), a receive copies the logged tensor into the caller's
-  buffer. A missing entry raises :class:`~swiftrun.errors.RecoveryError`, which the launcher reports as
-  unrecoverable.
+- live: a host copy of each sent tensor is logged (in a step only, across the boundaries the logging plan logs),
+  and the call goes through;
+- replay: traffic with a stage replaying in the same set (a logging group) goes through; otherwise a send is
+  dropped (an already-completed work) and a receive copies the logged tensor into the caller's buffer. A missing
+  entry raises :class:`~swiftrun.errors.RecoveryError`, which the launcher reports as unrecoverable.
 
 Randomness: there is no per-micro-batch forward to seed here, so dropout draws from the global RNG. The replay is
 bitwise because the replacement restores the RNG saved with the stage checkpoint and runs the same per-stage
@@ -30,6 +31,7 @@ order other ranks' messages arrive in) is not replayed exactly.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -114,8 +116,10 @@ class P2PTap:
                 "group=None), so this rank must be stage pipe.index(rank) of len(pipe) stages")
         self.pp = pipeline
         self.index = stage.index
+        self.num_stages = stage.num_stages
         self.pipe = pipe
         self.seq = Sequencer()
+        self._started: float | None = None
         install(self)
 
     @property
@@ -123,7 +127,14 @@ class P2PTap:
         return (self.index,)
 
     def begin_step(self) -> None:
+        """A step starts. The previous step's wall time stands for its compute time in the logging plan's profile
+        (there are no forward/backward chunks to time; every stage's step takes about the same wall time, so the
+        planner weighs the stages alike)."""
         self.seq.reset()
+        now = time.perf_counter()
+        if self._started is not None and self.pp.replay is None:
+            self.pp.compute += now - self._started
+        self._started = now
 
     # ------------------------------------------------------------------ the calls
 
@@ -133,9 +144,12 @@ class P2PTap:
         if not rec.in_step:  # outside a step nothing is logged; a replaying rank has nobody listening
             return _skipped(blocking) if replay is not None else fn(tensor, **kwargs)
         to = adjacent_stage(self.pipe, self.index, peer, "sends to")
-        self.pp._record(self.seq.key(rec.step, self.index, to, tag), tensor)  # noqa: SLF001 - shared log
-        if replay is not None:
-            return _skipped(blocking)
+        key = self.seq.key(rec.step, self.index, to, tag)
+        if replay is not None:  # to a stage replaying with this one: live; elsewhere: dropped
+            return fn(tensor, **kwargs) if to in replay["live"] else _skipped(blocking)
+        logged = self.pp.logged
+        if logged is None or min(self.index, to) in logged:
+            self.pp._record(key, tensor)  # noqa: SLF001 - the shared log
         return fn(tensor, **kwargs)
 
     def recv(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int | None, tag: int, blocking: bool,
@@ -148,7 +162,7 @@ class P2PTap:
                                     "(a replay serves each receive from the log of the stage it comes from)")
         frm = adjacent_stage(self.pipe, self.index, peer, "receives from")
         key = self.seq.key(rec.step, frm, self.index, tag)
-        if replay is None:
+        if replay is None or frm in replay["live"]:
             return fn(tensor, **kwargs)
         value = replay["log"].get(key)
         if value is None:

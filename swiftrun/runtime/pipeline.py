@@ -26,8 +26,8 @@ finished the exchange, so no replay can need them).
 
 from __future__ import annotations
 
-import io
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
+from swiftrun.runtime import pp_logplan, subgroups
 from swiftrun.runtime import state as st
-from swiftrun.runtime import subgroups
+from swiftrun.runtime.pp_handover import CheckpointDir, from_bytes, swap, to_bytes
 from swiftrun.runtime.pp_plan import StageStatus
 from swiftrun.runtime.registry import RegistrationError
 from swiftrun.runtime.txn import rng_state, set_rng_state
@@ -44,7 +45,6 @@ from swiftrun.runtime.txn import rng_state, set_rng_state
 log = logging.getLogger("swiftrun.runtime")
 
 Key = tuple  # (step, kind, from_stage, to_stage, micro-batch, ordinal)
-_TAG_SIZE, _TAG_DATA = 0x5717, 0x5718  # checkpoint exchange tags, apart from the schedule's own (tag 0)
 _LOGGED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier")
 
 
@@ -98,8 +98,17 @@ class Pipeline:
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
         self.volume: dict[tuple[int, int], int] = {}  # (from, to) stage -> bytes logged in the last full step
-        self._volume_step = -1
         self._volume_now: dict[tuple[int, int], int] = {}
+        # selective logging (runtime/pp_logplan.py): the boundaries logged (None: all) and the logging groups,
+        # as pipeline positions; a rank whose group has other members keeps its own checkpoint copy to roll back
+        self.logged: set[int] | None = None
+        self.groups: tuple[tuple[int, ...], ...] | None = None
+        self.keep_own = False
+        self.own: tuple[int, torch.Tensor] | None = None
+        directory = os.environ.get("SWIFTRUN_STAGE_CKPT_DIR")
+        self.disk = CheckpointDir(directory) if directory else None
+        self.compute = 0.0  # seconds spent in forward and backward chunks during the current step
+        self.compute_steps: list[float] = []  # per finished step, for the logging plan's profile
         for stage in self.stages:
             self._wrap(stage)
         if isinstance(spec, Stage):
@@ -131,6 +140,19 @@ class Pipeline:
         me = pipe.index(self.rec.rank)
         return pipe[me - 1], pipe[(me + 1) % len(pipe)]
 
+    def logging_plan(self) -> tuple | None:
+        return None if self.groups is None else (self.groups, None if self.logged is None else sorted(self.logged))
+
+    def adopt(self, plan: tuple | None) -> None:
+        """Take the logging plan the survivors chose (the same on every rank)."""
+        if plan is None:
+            return
+        groups, logged = plan
+        self.groups = tuple(tuple(g) for g in groups)
+        self.logged = None if logged is None else set(logged)
+        position = self.pipe_ranks().index(self.rec.rank)
+        self.keep_own = any(position in g and len(g) > 1 for g in self.groups)
+
     def regroup(self) -> None:
         """Point stages built on one of the script's subgroups at its counterpart of the new generation."""
         for stage in self.stages:
@@ -142,37 +164,56 @@ class Pipeline:
     def _wrap(self, stage: Any) -> None:
         fwd_recv, bwd_recv = stage.get_fwd_recv_ops, stage.get_bwd_recv_ops
         fwd_send, bwd_send = stage.get_fwd_send_ops, stage.get_bwd_send_ops
-        forward = stage.forward_one_chunk
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
         index = stage.stage_index
 
         def sends(original: Callable, kind: str, to: int) -> Callable:
             def factory(mb: int, *args: Any, **kwargs: Any) -> list:
                 ops = original(mb, *args, **kwargs)  # always: the backward factory pops the stage's cache
-                step = self.rec.step
-                for ordinal, op in enumerate(ops):
-                    self._record((step, kind, index, to, mb, ordinal), op.tensor)
-                return [] if self.replay is not None else ops
+                if self.replay is not None:  # to a stage replaying with this one: live; elsewhere: dropped
+                    return ops if to in self.replay["live"] else []
+                if self.logged is None or min(index, to) in self.logged:
+                    step = self.rec.step
+                    for ordinal, op in enumerate(ops):
+                        self._record((step, kind, index, to, mb, ordinal), op.tensor)
+                return ops
             return factory
 
         def receives(original: Callable, kind: str, infos: Callable[[], dict]) -> Callable:
             def factory(mb: int, *args: Any, **kwargs: Any) -> list:
                 if self.replay is None:
                     return original(mb, *args, **kwargs)
-                self._serve(kind, index, mb, infos().get(mb, ()))
-                return []
+                if kind == "grad" and (not stage.has_backward or stage.is_last):
+                    return []
+                live = self.replay["live"]
+                mine = infos().get(mb, ())
+                self._serve(kind, index, mb, [i for i in mine if getattr(i, "source", None) not in live])
+                return stage._get_recv_ops(tuple(i for i in mine if getattr(i, "source", None) in live))
             return factory
 
         def seeded_forward(mb: int, *args: Any, **kwargs: Any) -> Any:
             devices = [stage.device] if torch.device(stage.device).type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(_mix(self.seed, self.rec.step, index, mb))
-                return forward(mb, *args, **kwargs)
+            started = time.perf_counter()
+            try:
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(_mix(self.seed, self.rec.step, index, mb))
+                    return forward(mb, *args, **kwargs)
+            finally:
+                self.compute += time.perf_counter() - started
+
+        def timed_backward(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                self.compute += time.perf_counter() - started
 
         stage.get_fwd_send_ops = sends(fwd_send, "act", index + 1)
         stage.get_bwd_send_ops = sends(bwd_send, "grad", index - 1)
         stage.get_fwd_recv_ops = receives(fwd_recv, "act", lambda: stage.args_recv_info)
         stage.get_bwd_recv_ops = receives(bwd_recv, "grad", lambda: stage.grad_recv_info)
         stage.forward_one_chunk = seeded_forward
+        stage.backward_one_chunk = timed_backward
 
     def _record(self, key: Key, tensor: torch.Tensor) -> None:
         copy = _host_copy(tensor)
@@ -182,10 +223,6 @@ class Pipeline:
         self.log[key] = copy
         nbytes = copy.numel() * copy.element_size()
         self.log_bytes += nbytes
-        if key[0] != self._volume_step:
-            if self._volume_now:
-                self.volume = self._volume_now
-            self._volume_now, self._volume_step = {}, key[0]
         boundary = (key[2], key[3])
         self._volume_now[boundary] = self._volume_now.get(boundary, 0) + nbytes
 
@@ -195,7 +232,7 @@ class Pipeline:
         ordinals: dict[int, int] = {}
         with torch.no_grad():
             for info in infos:
-                if info.is_root_arg or info.buffer is None:
+                if getattr(info, "is_root_arg", False) or info.buffer is None:
                     continue
                 ordinal = ordinals.get(info.source, 0)
                 ordinals[info.source] = ordinal + 1
@@ -213,7 +250,7 @@ class Pipeline:
         key = (self.rec.step, self._coll_seq)
         self._coll_seq += 1
         outputs = _outputs(name, args, kwargs)
-        if self.replay is not None:
+        if self.replay is not None and not self.replay["everyone"]:
             if name not in _LOGGED_COLLECTIVES:
                 raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step (only {', '.join(_LOGGED_COLLECTIVES)} are logged)")
             logged = self.replay["coll"].get(key)
@@ -240,12 +277,20 @@ class Pipeline:
         self._coll_seq = 0
         if self.tap is not None:
             self.tap.begin_step()
+        if self.compute:
+            self.compute_steps = (self.compute_steps + [self.compute])[-16:]
+            self.compute = 0.0
+        if self._volume_now:
+            self.volume, self._volume_now = self._volume_now, {}
         if self.replay is not None:
             return
         if self._gc_at is not None and step > self._gc_at:
             self._drop_before(self._gc_at)
             self._gc_at = None
-        if step % self.every == 0 or self.force_checkpoint:
+        due = step % self.every == 0 or self.force_checkpoint
+        if due and self.groups is None and step > 0 and pp_logplan.budget() is not None:
+            pp_logplan.decide(self, step)  # a collective: every rank reaches this checkpoint step
+        if due:
             self._exchange(step)
             self.force_checkpoint = False
             self._gc_at = step
@@ -272,9 +317,12 @@ class Pipeline:
         if prev == self.rec.rank:
             return  # a one-rank pipeline has nobody to hold its checkpoint (a DP-only job never gets here)
         started = time.monotonic()
-        data = _to_bytes({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
-        received = _swap(data, nxt, prev, self.rec.group.device())
+        data = to_bytes({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
+        received = swap(data, nxt, prev, self.rec.group.device())
         self.held = (prev, step, received)
+        self.own = (step, data) if self.keep_own else None
+        if self.disk is not None:
+            self.disk.write(self.rec.rank, step, data)
         log.debug("stage checkpoint of step %d exchanged (%d bytes out, %d in) in %.3fs", step, data.numel(),
                   received.numel(), time.monotonic() - started)
 
@@ -283,41 +331,46 @@ class Pipeline:
     def status(self, valid: bool, updates: int, boundary: bool, undoable: bool, outside: bool) -> StageStatus:
         held_for, held_step = (self.held[0], self.held[1]) if self.held is not None else (-1, -1)
         return StageStatus(self.rec.rank, valid, updates, boundary, undoable, self.stage_indices, self.pipe_ranks(),
-                           held_for, held_step, self.log_start, outside)
+                           held_for, held_step, self.log_start, outside,
+                           own_step=self.own[0] if self.own is not None else -1,
+                           disk_step=self.disk.latest(self.rec.rank) if self.disk is not None else -1)
 
-    def serve_replay(self, replay: Any, point: int) -> None:
-        """Send the replaying rank what this rank holds for it: its checkpoint, and the logged sends to its
-        stages and the logged collective results of the steps it replays."""
-        theirs: dict[str, Any] = {}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # logged copies to pinned memory are asynchronous
-        if self.rec.rank == replay.holder:
-            assert self.held is not None and self.held[0] == replay.rank
-            theirs["checkpoint"] = self.held[2]
-        if self.rec.rank in replay.peers:
-            theirs["log"] = {k: v for k, v in self.log.items() if replay.start <= k[0] <= point and k[3] in replay.stages}
-            theirs["coll"] = {k: v for k, v in self.coll.items() if replay.start <= k[0] <= point}
-        _send_obj(theirs, replay.rank, self.rec.group.device())
+    def part_for(self, replay: Any, member: int, point: int, checkpoint: bool, logs: bool, coll: bool) -> dict:
+        """What this rank hands ``member`` of a replay set: the checkpoint it holds for it, the logged sends to its
+        stages, the logged collective results."""
+        part: dict[str, Any] = {}
+        if checkpoint:
+            if self.held is None or self.held[0] != member or self.held[1] != replay.start:
+                raise RecoveryError(f"rank {self.rec.rank} does not hold the checkpoint of step {replay.start} of "
+                                    f"rank {member}")
+            part["checkpoint"] = self.held[2]
+        if logs:
+            to_member = {i for i in range(self.num_stages) if self._rank_of(i) == member}
+            part["log"] = {k: v for k, v in self.log.items() if replay.start <= k[0] <= point and k[3] in to_member}
+        if coll:
+            part["coll"] = {k: v for k, v in self.coll.items() if replay.start <= k[0] <= point}
+        return part
 
-    def receive_replay(self, replay: Any, point: int) -> None:
-        """The replacement: install the checkpoint, collect the logs, and enter replay mode until ``point``."""
-        log_: dict[Key, torch.Tensor] = {}
-        coll: dict[tuple[int, int], list[torch.Tensor]] = {}
-        checkpoint = None
-        for sender in sorted({replay.holder, *replay.peers}):
-            got = _recv_obj(sender, self.rec.group.device())
-            checkpoint = got.get("checkpoint", checkpoint)
-            log_.update(got.get("log", {}))
-            for k, v in got.get("coll", {}).items():
-                coll.setdefault(k, v)
-        if checkpoint is None:
-            raise RecoveryError(f"rank {replay.holder} did not send the stage checkpoint it holds")
-        loaded = torch.load(io.BytesIO(checkpoint.cpu().numpy().tobytes()), weights_only=False)
+    @property
+    def num_stages(self) -> int:
+        return self.tap.num_stages if self.tap is not None else self.stages[0].num_stages
+
+    def _rank_of(self, stage_index: int) -> int:
+        if self.tap is not None:
+            return self.tap.pipe[stage_index]
+        return self.stages[0]._resolve_peer_global_rank(stage_index)
+
+    def enter_replay(self, replay: Any, point: int, checkpoint: torch.Tensor, logs: dict, coll: dict) -> None:
+        """Install the checkpoint and replay steps ``replay.start .. point``; the set's members talk live, the
+        rest is served from ``logs``."""
+        loaded = from_bytes(checkpoint)
         if loaded["step"] != replay.start:
             raise RecoveryError(f"the stage checkpoint received is of step {loaded['step']}, not {replay.start}")
         st.install(self.rec.reg, loaded["tree"])
         set_rng_state(loaded["rng"])
-        self.replay = {"start": replay.start, "until": point, "log": log_, "coll": coll,
+        self.replay = {"start": replay.start, "until": point, "log": logs, "coll": coll,
+                       "live": set(replay.stages), "everyone": len(replay.ranks) == self.rec.world_size,
+                       "ranks": list(replay.ranks),
                        "started": time.monotonic()}
         self.log.clear()
         self.coll.clear()
@@ -403,41 +456,3 @@ def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     if name == "barrier":
         return []
     return []
-
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-
-
-def _swap(data: torch.Tensor, to: int, frm: int, device: torch.device) -> torch.Tensor:
-    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (a ring step)."""
-    tag = {} if device.type == "cuda" else {"tag": _TAG_SIZE}
-    size_out = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    size_in = torch.empty(1, dtype=torch.int64, device=device)
-    for work in (dist.isend(size_out, to, **tag), dist.irecv(size_in, frm, **tag)):
-        work.wait()
-    tag = {} if device.type == "cuda" else {"tag": _TAG_DATA}
-    inbound = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device)
-    for work in (dist.isend(data.to(device), to, **tag), dist.irecv(inbound, frm, **tag)):
-        work.wait()
-    return inbound.cpu()
-
-
-def _send_obj(obj: Any, to: int, device: torch.device) -> None:
-    data = _to_bytes(obj).to(device)
-    tag = {} if device.type == "cuda" else {"tag": _TAG_SIZE}
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), to, **tag)
-    tag = {} if device.type == "cuda" else {"tag": _TAG_DATA}
-    dist.send(data, to, **tag)
-
-
-def _recv_obj(frm: int, device: torch.device) -> Any:
-    tag = {} if device.type == "cuda" else {"tag": _TAG_SIZE}
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, frm, **tag)
-    tag = {} if device.type == "cuda" else {"tag": _TAG_DATA}
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(data, frm, **tag)
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)

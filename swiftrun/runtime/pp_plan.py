@@ -9,11 +9,14 @@ the *same* stages (data-parallel replicas of a stage, in a DP x PP job) hold the
   a rank one update ahead (it applied the interrupted iteration's update) undoes it, as in data parallelism;
 - a class with a surviving valid rank recovers from it (the replica path, no replay);
 - a class with no valid rank left is *replayed*: its replacement loads the class's last stage checkpoint (held in
-  the memory of the next stage's rank) and re-runs the iterations from that checkpoint up to ``point`` alone, its
-  receives served from the neighbours' logs and its sends dropped.
+  the memory of the next rank of the pipeline, or on disk) and re-runs the iterations from that checkpoint up to
+  ``point``, its receives from outside the replay served from the neighbours' logs and its sends there dropped.
 
-A replay needs the checkpoint's holder and both neighbours alive and valid (they hold the checkpoint and the logs);
-when they are not (two adjacent stages lost together, a checkpoint lost with its holder) the plan raises
+What replays together is a *replay set*: the lost rank's logging group (selective logging leaves the boundaries
+inside a group unlogged, so a group's surviving members roll back to their own checkpoint copy and replay with
+it, talking live among themselves). Sets grow when a rank whose logs they need is itself lost (two adjacent
+stages lost together: both replay, from their checkpoints). Every member must find a checkpoint of the same step
+(its own copy, the copy its holder keeps, or the stage checkpoint directory); when none exists the plan raises
 :class:`~swiftrun.errors.RecoveryError` with the reason, which the launcher turns into a restart of every worker
 (with ``--max-restarts``) or a clean stop: never a silently wrong model.
 """
@@ -23,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swiftrun.errors import RecoveryError
+
+
+DISK = -2  # a checkpoint source: the stage checkpoint directory (--stage-ckpt-dir)
 
 
 @dataclass(frozen=True)
@@ -38,15 +44,20 @@ class StageStatus:
     held_step: int = -1  # that checkpoint's step: the state at the start of this step
     log_start: int = 0  # the oldest step this rank still holds logged sends for
     outside_step: bool = False
+    own_step: int = -1  # the step of this rank's own checkpoint copy (kept when its logging group has peers)
+    disk_step: int = -1  # the newest complete checkpoint of this rank in the stage checkpoint directory
 
 
 @dataclass(frozen=True)
 class Replay:
-    rank: int  # the replacement that replays its stages
-    holder: int  # the rank that holds its checkpoint
-    start: int  # the checkpoint's step: replay runs steps start .. point
-    peers: tuple[int, ...]  # the ranks of the adjacent stages: they serve the logged activations and gradients
-    stages: tuple[int, ...] = ()  # the stage indices it replays
+    ranks: tuple[int, ...]  # the ranks that replay together (talking live to each other)
+    start: int  # the checkpoint's step: the replay runs steps start .. point
+    sources: tuple[tuple[int, int], ...]  # (member, where its checkpoint comes from: a rank, itself, or DISK)
+    peers: tuple[int, ...]  # ranks outside the set next to it: they serve the logged activations and gradients
+    stages: tuple[int, ...]  # every stage index the set runs
+
+    def source_of(self, rank: int) -> int:
+        return dict(self.sources)[rank]
 
 
 @dataclass(frozen=True)
@@ -62,16 +73,20 @@ class PipePlan:
     def mode(self) -> str:
         return "replay" if self.replays else ("undo" if self.undo else "replica")
 
+    def replay_of(self, rank: int) -> Replay | None:
+        return next((r for r in self.replays if rank in r.ranks), None)
+
     def as_dict(self) -> dict:
         return {"point": self.point, "mode": self.mode, "undo": list(self.undo),
                 "copies": [[s, list(t)] for s, t in self.copies],
-                "replays": [{"rank": r.rank, "from": r.start, "to": self.point, "holder": r.holder}
-                            for r in self.replays],
+                "replays": [{"ranks": list(r.ranks), "from": r.start, "to": self.point} for r in self.replays],
                 "source": self.copies[0][0] if self.copies else None,
-                "targets": sorted({t for _, ts in self.copies for t in ts} | {r.rank for r in self.replays})}
+                "targets": sorted({t for _, ts in self.copies for t in ts} | {m for r in self.replays
+                                                                             for m in r.ranks})}
 
 
-def plan_pipeline(statuses: list[StageStatus]) -> PipePlan:
+def plan_pipeline(statuses: list[StageStatus], groups: tuple[tuple[int, ...], ...] | None = None) -> PipePlan:
+    """``groups``: the logging groups, as tuples of pipeline positions (None: every position its own group)."""
     valid = [s for s in statuses if s.valid]
     if not valid:
         raise RecoveryError("no rank of the pipeline holds a consistent state")
@@ -92,43 +107,99 @@ def plan_pipeline(statuses: list[StageStatus]) -> PipePlan:
     for s in statuses:
         classes.setdefault(s.stages, []).append(s)
     copies: list[tuple[int, tuple[int, ...]]] = []
-    replays: list[Replay] = []
+    lost: list[int] = []
     for stages in sorted(classes):
         members = classes[stages]
         alive = [s for s in members if s.valid]
-        lost = tuple(s.rank for s in members if not s.valid)
+        gone = tuple(s.rank for s in members if not s.valid)
         if alive:
-            if lost:
-                copies.append((min(s.rank for s in alive), lost))
+            if gone:
+                copies.append((min(s.rank for s in alive), gone))
             continue
         if len(members) > 1:
             raise RecoveryError(
                 f"every replica of stage(s) {list(stages)} was lost together: replaying several replicas of a "
                 "stage is not supported")
-        replays.append(_replay_of(members[0], by_rank, point))
-    return PipePlan(point, tuple(undo), tuple(copies), tuple(replays),
-                    verify_next=any(s.outside_step for s in statuses))
+        lost.append(members[0].rank)
+    sets = _replay_sets(lost, by_rank, groups)
+    replays = tuple(_replay(members, by_rank, point) for members in sets)
+    return PipePlan(point, tuple(undo), tuple(copies), replays, verify_next=any(s.outside_step for s in statuses))
 
 
-def _replay_of(lost: StageStatus, by_rank: dict[int, StageStatus], point: int) -> Replay:
-    label = f"stage(s) {list(lost.stages)} (rank {lost.rank})"
-    holders = [s for s in by_rank.values() if s.held_for == lost.rank and s.valid]
-    if not holders:
-        raise RecoveryError(f"{label} has no surviving replica and its stage checkpoint was lost with the rank "
-                            "that held it (two stages lost together)")
-    holder = max(holders, key=lambda s: s.held_step)
-    if holder.held_step > point + 1:
-        raise RecoveryError(f"the checkpoint of {label} is at step {holder.held_step}, past the recovery point "
-                            f"{point}")
-    stage_rank = {stage: rank for rank in lost.pipe if rank in by_rank for stage in by_rank[rank].stages}
-    peers = sorted({stage_rank[n] for stage in lost.stages for n in (stage - 1, stage + 1)
-                    if n in stage_rank and stage_rank[n] != lost.rank})
-    for rank in peers:
-        peer = by_rank[rank]
-        if not peer.valid:
-            raise RecoveryError(f"{label} and an adjacent stage (rank {rank}) were lost together: the logs that "
-                                "would replay it were lost too")
-        if holder.held_step <= point and peer.log_start > holder.held_step:
-            raise RecoveryError(f"rank {rank} no longer holds the logs of step {holder.held_step} that replaying "
-                                f"{label} needs")
-    return Replay(lost.rank, holder.rank, holder.held_step, tuple(peers), lost.stages)
+def _group_of(rank: int, by_rank: dict[int, StageStatus], groups: tuple[tuple[int, ...], ...] | None) -> set[int]:
+    pipe = by_rank[rank].pipe
+    position = pipe.index(rank)
+    for group in groups or ():
+        if position in group:
+            return {pipe[p] for p in group if p < len(pipe)}
+    return {rank}
+
+
+def _peers(members: set[int], by_rank: dict[int, StageStatus]) -> set[int]:
+    """The ranks outside ``members`` that run a stage adjacent to one of theirs (they exchanged tensors)."""
+    pipe = by_rank[next(iter(members))].pipe
+    stage_rank = {stage: r for r in pipe if r in by_rank for stage in by_rank[r].stages}
+    return {stage_rank[n] for m in members for stage in by_rank[m].stages for n in (stage - 1, stage + 1)
+            if n in stage_rank and stage_rank[n] not in members}
+
+
+def _replay_sets(lost: list[int], by_rank: dict[int, StageStatus],
+                 groups: tuple[tuple[int, ...], ...] | None) -> list[set[int]]:
+    """Each lost rank's logging group; sets merged while one needs logs from a rank that is itself lost."""
+    sets = [_group_of(r, by_rank, groups) for r in lost]
+    merged = True
+    while merged:
+        merged = False
+        for i, members in enumerate(sets):
+            needs = {p for p in _peers(members, by_rank) if not by_rank[p].valid
+                     or any(p in other for j, other in enumerate(sets) if j != i)}
+            if not needs:
+                continue
+            for p in needs:
+                members |= _group_of(p, by_rank, groups)
+            others = [o for j, o in enumerate(sets) if j != i and not (o & members)]
+            touching = [o for j, o in enumerate(sets) if j != i and (o & members)]
+            for o in touching:
+                members |= o
+            sets = [members] + others
+            merged = True
+            break
+    return sorted(sets, key=min)
+
+
+def _replay(members: set[int], by_rank: dict[int, StageStatus], point: int) -> Replay:
+    label = "rank(s) " + ", ".join(map(str, sorted(members)))
+    sources: list[tuple[int, int]] = []
+    steps: dict[int, int] = {}
+    for m in sorted(members):
+        status = by_rank[m]
+        if status.valid:
+            if status.own_step < 0:
+                raise RecoveryError(f"rank {m} must roll back with {label} but keeps no checkpoint of its own")
+            sources.append((m, m))
+            steps[m] = status.own_step
+            continue
+        holders = [s for s in by_rank.values() if s.held_for == m and s.valid]
+        if holders:
+            holder = max(holders, key=lambda s: s.held_step)
+            sources.append((m, holder.rank))
+            steps[m] = holder.held_step
+        elif status.disk_step >= 0:
+            sources.append((m, DISK))
+            steps[m] = status.disk_step
+        else:
+            raise RecoveryError(
+                f"{label} must replay, but the stage checkpoint of rank {m} was lost with the rank that held it "
+                "(adjacent stages lost together) and no --stage-ckpt-dir copy exists")
+    start = min(steps.values())
+    if set(steps.values()) != {start}:
+        raise RecoveryError(f"{label} must replay together, but their checkpoints are of different steps "
+                            f"({', '.join(f'rank {r}: {s}' for r, s in sorted(steps.items()))})")
+    if start > point + 1:
+        raise RecoveryError(f"the checkpoint of {label} is at step {start}, past the recovery point {point}")
+    peers = _peers(members, by_rank)
+    for rank in sorted(peers):
+        if start <= point and by_rank[rank].log_start > start:
+            raise RecoveryError(f"rank {rank} no longer holds the logs of step {start} that replaying {label} needs")
+    stages = tuple(sorted(stage for m in members for stage in by_rank[m].stages))
+    return Replay(tuple(sorted(members)), start, tuple(sources), tuple(sorted(peers)), stages)

@@ -31,6 +31,7 @@ from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.buffers import BroadcastBuffers
 from swiftrun.runtime.pipeline import Pipeline
+from swiftrun.runtime.pp_handover import hand_over
 from swiftrun.runtime.pp_plan import PipePlan, plan_pipeline
 from swiftrun.runtime.process import ProcessRuntime, warn
 from swiftrun.runtime.registry import Registry, RegistrationError
@@ -324,8 +325,10 @@ class Recovery:
         mine = pp.status(self.valid, self.position, not self.partial, self._undoable(),
                          not self.joining and not self.partial and self.step == self.completed)
         rows: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rows, mine)
-        plan = plan_pipeline(rows)
+        dist.all_gather_object(rows, (mine, pp.logging_plan()))
+        # a replacement missed the logging plan chosen before it started: it takes the survivors'
+        pp.adopt(next((p for s, p in rows if s.valid and p is not None), None))
+        plan = plan_pipeline([s for s, _ in rows], pp.groups)
         phases["consensus"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -349,13 +352,7 @@ class Recovery:
                     own_rng, layouts = box[0]["rng"], box[0]["layouts"]
         for ddp, layout in zip(self.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
             rebind(ddp, layout)
-        replaying = None
-        for replay in plan.replays:
-            if self.rank == replay.rank:
-                pp.receive_replay(replay, plan.point)
-                replaying = replay
-            elif self.rank == replay.holder or self.rank in replay.peers:
-                pp.serve_replay(replay, plan.point)
+        replaying = hand_over(pp, plan)
         phases["transfer"] = time.monotonic() - t
         self._records.clear()
         self.reg.clear_grads()
@@ -383,7 +380,7 @@ class Recovery:
                     return False
             else:
                 self.link.send_event(EventKind.REPLAYING, gen=self.generation, step=step,
-                                     first=pp.replay["start"], last=pp.replay["until"])
+                                     first=pp.replay["start"], last=pp.replay["until"], ranks=pp.replay["ranks"])
         try:
             with collectives.internal():
                 pp.begin_step(step)

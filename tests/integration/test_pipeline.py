@@ -114,6 +114,34 @@ def test_stage_with_a_replica_recovers_from_it(tmp_path, reference):
     assert_same(tmp_path, ref)
 
 
+@pytest.mark.timeout(240)
+def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference):
+    """A 10 KiB budget logs one boundary of three: groups [0,1] [2,3]. Killing rank 2 replays ranks 2 and 3
+    together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", "2:6:forward:sigkill"), marker="pp-groups",
+               timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (plan,) = [r for r in records(tmp_path) if r["event"] == "log_plan"]
+    assert plan["groups"] == [[0, 1], [2, 3]] and plan["logged"] == [1] and plan["peak_log_bytes"] <= 10 * 1024
+    replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
+    assert replays == {(2, 3)}, replays
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
+def test_adjacent_stages_lost_replay_together_from_the_stage_checkpoint_dir(tmp_path, reference):
+    """With --stage-ckpt-dir the checkpoint that died with its holder is read from disk: stages 1 and 2 replay
+    together (the logs at the set's edges are held by ranks 0 and 3), bitwise."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--stage-ckpt-dir", str(tmp_path / "ckpt"), "--fault", "1:5:step:sigkill",
+                      "--fault", "2:5:step:sigkill"), marker="pp-disk", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
+    assert (1, 2) in replays, replays
+    assert_same(tmp_path, ref)
+
+
 # ---------------------------------------------------------------------- hand-written P2P pipelines
 
 P2P_SCRIPT = str(REPO / "tests" / "scripts" / "pipeline_p2p.py")

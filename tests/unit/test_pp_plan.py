@@ -5,30 +5,32 @@ from __future__ import annotations
 import pytest
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.pp_plan import StageStatus, plan_pipeline
+from swiftrun.runtime.pp_plan import DISK, StageStatus, plan_pipeline
 
 PIPE = (0, 1, 2, 3)
 
 
 def status(rank, valid=True, updates=5, boundary=True, undoable=False, stages=None, pipe=PIPE, held_for=None,
-           held_step=4, log_start=0):
+           held_step=4, log_start=0, own_step=-1, disk_step=-1):
     stages = (rank % len(pipe),) if stages is None else stages
     if held_for is None:  # the next rank of the ring holds this one's predecessor's checkpoint
         held_for = pipe[(pipe.index(rank) - 1) % len(pipe)]
-    return StageStatus(rank, valid, updates, boundary, undoable, stages, pipe, held_for, held_step, log_start)
+    return StageStatus(rank, valid, updates, boundary, undoable, stages, pipe, held_for, held_step, log_start,
+                       own_step=own_step, disk_step=disk_step)
 
 
 def test_a_lost_middle_stage_is_replayed_from_the_next_stage_checkpoint():
     plan = plan_pipeline([status(0), status(1), status(2, valid=False, updates=-1), status(3)])
     assert plan.point == 5 and plan.mode == "replay" and not plan.undo and not plan.copies
     (replay,) = plan.replays
-    assert (replay.rank, replay.holder, replay.start, replay.peers, replay.stages) == (2, 3, 4, (1, 3), (2,))
+    assert (replay.ranks, replay.sources, replay.start, replay.peers, replay.stages) == ((2,), ((2, 3),), 4, (1, 3),
+                                                                                        (2,))
 
 
 def test_the_last_stage_checkpoint_is_held_by_the_first():
     plan = plan_pipeline([status(0), status(1), status(2), status(3, valid=False, updates=-1)])
     (replay,) = plan.replays
-    assert (replay.holder, replay.peers) == (0, (2,))
+    assert (replay.source_of(3), replay.peers) == (0, (2,))
 
 
 def test_a_stage_one_update_ahead_undoes_it():
@@ -43,9 +45,35 @@ def test_a_stage_ahead_that_cannot_undo_is_refused():
         plan_pipeline([status(0, updates=6), status(1), status(2), status(3, valid=False, updates=-1)])
 
 
-def test_adjacent_stages_lost_together_are_refused():
+def test_adjacent_stages_lost_together_replay_together_from_disk_or_are_refused():
     with pytest.raises(RecoveryError, match="lost together"):
         plan_pipeline([status(0), status(1, valid=False), status(2, valid=False), status(3)])
+    plan = plan_pipeline([status(0), status(1, valid=False, disk_step=4), status(2, valid=False), status(3)])
+    (replay,) = plan.replays
+    assert replay.ranks == (1, 2) and replay.sources == ((1, DISK), (2, 3)) and replay.peers == (0, 3)
+
+
+def test_a_logging_group_replays_whole_its_survivors_from_their_own_copy():
+    groups = ((0,), (1, 2), (3,))
+    statuses = [status(0), status(1, own_step=4), status(2, valid=False, own_step=4), status(3)]
+    (replay,) = plan_pipeline(statuses, groups).replays
+    assert replay.ranks == (1, 2) and replay.sources == ((1, 1), (2, 3)) and replay.peers == (0, 3)
+    assert replay.stages == (1, 2)
+
+
+def test_a_group_member_without_its_own_copy_or_checkpoints_of_different_steps_are_refused():
+    groups = ((0, 1), (2, 3))
+    with pytest.raises(RecoveryError, match="keeps no checkpoint"):
+        plan_pipeline([status(0), status(1, valid=False), status(2), status(3)], groups)
+    with pytest.raises(RecoveryError, match="different steps"):
+        plan_pipeline([status(0, own_step=0), status(1, valid=False), status(2), status(3)], groups)
+
+
+def test_logging_nothing_replays_the_whole_pipeline_in_place():
+    groups = ((0, 1, 2, 3),)
+    statuses = [status(r, own_step=4, valid=r != 2) for r in range(4)]
+    (replay,) = plan_pipeline(statuses, groups).replays
+    assert replay.ranks == PIPE and replay.peers == () and replay.source_of(2) == 3
 
 
 def test_a_checkpoint_past_the_point_or_logs_already_dropped_are_refused():
@@ -80,7 +108,7 @@ def test_interleaved_stages_replay_with_both_ring_neighbours():
     statuses = [status(0, stages=(0, 2), pipe=(0, 1), held_for=1), status(1, stages=(1, 3), pipe=(0, 1),
                                                                          valid=False, held_for=0)]
     (replay,) = plan_pipeline(statuses).replays
-    assert replay.peers == (0,) and replay.holder == 0 and replay.stages == (1, 3)
+    assert replay.peers == (0,) and replay.source_of(1) == 0 and replay.stages == (1, 3)
 
 
 def test_nobody_valid_is_refused():
