@@ -2,6 +2,9 @@
 neighbour's memory, and a stage nobody else holds is rebuilt by replaying it alone (docs/ARCHITECTURE.md,
 "Pipelines"; measured facts in ../shared/design/PIPELINE.md).
 
+A hand-written point-to-point pipeline (``Run(pipeline=swiftrun.Stage(...))``) shares all of this; only its
+interception differs, in runtime/p2p.py (``P2PTap``, ``self.tap``).
+
 Interception (torch.distributed.pipelining, torch 2.13): every schedule gets its point-to-point operations only
 from a stage's four factories ``get_fwd_recv_ops``, ``get_bwd_recv_ops``, ``get_fwd_send_ops`` and
 ``get_bwd_send_ops``, which carry the micro-batch index. They are wrapped per stage instance:
