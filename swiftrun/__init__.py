@@ -4,6 +4,7 @@
 on first use:
 
 - :class:`swiftrun.Run`: register what must survive a failure and drive the training loop;
+- :class:`swiftrun.Stage`: a stage of a hand-written point-to-point pipeline, ``Run(pipeline=swiftrun.Stage(...))``;
 - :class:`swiftrun.ResumableDistributedSampler`: a DistributedSampler that can resume at any step;
 - :func:`swiftrun.report`: send extra metrics (tokens/s, learning rate) to the launcher's dashboard.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Run", "ResumableDistributedSampler", "report", "under_swiftrun", "__version__"]
+__all__ = ["Run", "Stage", "ResumableDistributedSampler", "report", "under_swiftrun", "__version__"]
 
 _LAZY = {
     "Run": ("swiftrun.runtime.api", "Run"),
+    "Stage": ("swiftrun.runtime.p2p", "Stage"),
     "ResumableDistributedSampler": ("swiftrun.runtime.sampler", "ResumableDistributedSampler"),
     "report": ("swiftrun.runtime.api", "report"),
     "under_swiftrun": ("swiftrun.runtime.env", "under_swiftrun"),

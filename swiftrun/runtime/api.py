@@ -52,7 +52,9 @@ class Run:
             (updated in place on the receiving ranks).
         pipeline: this rank's pipeline stage(s): a ``torch.distributed.pipelining`` schedule (or its
             ``PipelineStage``) whose stage boundaries are logged, so that a stage without a data-parallel replica
-            is rebuilt by replaying it from its last stage checkpoint (docs/ARCHITECTURE.md, "Pipelines").
+            is rebuilt by replaying it from its last stage checkpoint (docs/ARCHITECTURE.md, "Pipelines"); or a
+            :class:`swiftrun.Stage` when the script moves tensors between stages itself (``dist.isend``/``irecv``/
+            ``send``/``recv``, ``batch_isend_irecv``).
         checkpoint_every: steps between a pipeline's stage checkpoints (kept in the next stage's memory); a
             lost stage replays at most this many steps. Default: ``SWIFTRUN_CKPT_EVERY`` or 20.
     """

@@ -2,6 +2,9 @@
 neighbour's memory, and a stage nobody else holds is rebuilt by replaying it alone (docs/ARCHITECTURE.md,
 "Pipelines"; measured facts in ../shared/design/PIPELINE.md).
 
+A hand-written point-to-point pipeline (``Run(pipeline=swiftrun.Stage(...))``) shares all of this; only its
+interception differs, in runtime/p2p.py (``P2PTap``, ``self.tap``).
+
 Interception (torch.distributed.pipelining, torch 2.13): every schedule gets its point-to-point operations only
 from a stage's four factories ``get_fwd_recv_ops``, ``get_bwd_recv_ops``, ``get_fwd_send_ops`` and
 ``get_bwd_send_ops``, which carry the micro-batch index. They are wrapped per stage instance:
@@ -64,8 +67,8 @@ def stages_of(spec: Any) -> tuple[Any, list[Any]]:
             stages.append(item)
         else:
             raise RegistrationError(
-                f"swiftrun.Run(pipeline=...) takes a torch.distributed.pipelining schedule or PipelineStage(s), got "
-                f"{type(item).__name__}")
+                f"swiftrun.Run(pipeline=...) takes a torch.distributed.pipelining schedule or PipelineStage(s), or "
+                f"a swiftrun.Stage for a hand-written point-to-point pipeline, got {type(item).__name__}")
     for stage in stages:
         if getattr(stage, "_user_meta", None) is None or stage._user_meta.inputs is None:
             raise RegistrationError(
@@ -80,7 +83,12 @@ class Pipeline:
 
     def __init__(self, rec: Any, spec: Any, checkpoint_every: int) -> None:
         self.rec = rec
-        self.schedule, self.stages = stages_of(spec)
+        from swiftrun.runtime.p2p import P2PTap, Stage
+
+        # the tap that sees the stage boundaries: torch pipelining's stage factories (wrapped below), or the
+        # script's own point-to-point calls (runtime/p2p.py); the log, checkpoints and replay are shared
+        self.tap: P2PTap | None = None
+        self.schedule, self.stages = (None, []) if isinstance(spec, Stage) else stages_of(spec)
         self.seed = torch.initial_seed()
         self.every = max(1, int(checkpoint_every))
         self.log: dict[Key, torch.Tensor] = {}
@@ -106,15 +114,21 @@ class Pipeline:
         self.compute_steps: list[float] = []  # per finished step, for the logging plan's profile
         for stage in self.stages:
             self._wrap(stage)
+        if isinstance(spec, Stage):
+            self.tap = P2PTap(self, spec)
 
     # ------------------------------------------------------------------ topology
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
+        if self.tap is not None:
+            return self.tap.stage_indices
         return tuple(sorted(s.stage_index for s in self.stages))
 
     def pipe_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's pipeline, in the order of their first stage."""
+        if self.tap is not None:
+            return self.tap.pipe
         stage = self.stages[0]
         ranks: list[int] = []
         for index in range(stage.num_stages):
@@ -264,6 +278,8 @@ class Pipeline:
     def begin_step(self, step: int) -> None:
         """Garbage-collect logs, and exchange stage checkpoints when one is due (may raise on a peer failure)."""
         self._coll_seq = 0
+        if self.tap is not None:
+            self.tap.begin_step()
         if self.compute:
             self.compute_steps = (self.compute_steps + [self.compute])[-16:]
             self.compute = 0.0
@@ -332,13 +348,19 @@ class Pipeline:
                                     f"rank {member}")
             part["checkpoint"] = self.held[2]
         if logs:
-            to_member = {i for i in range(self.stages[0].num_stages) if self._rank_of(i) == member}
+            to_member = {i for i in range(self.num_stages) if self._rank_of(i) == member}
             part["log"] = {k: v for k, v in self.log.items() if replay.start <= k[0] <= point and k[3] in to_member}
         if coll:
             part["coll"] = {k: v for k, v in self.coll.items() if replay.start <= k[0] <= point}
         return part
 
+    @property
+    def num_stages(self) -> int:
+        return self.tap.num_stages if self.tap is not None else self.stages[0].num_stages
+
     def _rank_of(self, stage_index: int) -> int:
+        if self.tap is not None:
+            return self.tap.pipe[stage_index]
         return self.stages[0]._resolve_peer_global_rank(stage_index)
 
     def enter_replay(self, replay: Any, point: int, checkpoint: torch.Tensor, logs: dict, coll: dict) -> None:

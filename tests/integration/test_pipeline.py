@@ -140,3 +140,40 @@ def test_adjacent_stages_lost_replay_together_from_the_stage_checkpoint_dir(tmp_
     replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
     assert (1, 2) in replays, replays
     assert_same(tmp_path, ref)
+
+
+# ---------------------------------------------------------------------- hand-written P2P pipelines
+
+P2P_SCRIPT = str(REPO / "tests" / "scripts" / "pipeline_p2p.py")
+P2P_ARGS = ("--clip", "0.5")  # dropout on, and a cross-stage grad-norm all-reduce the replay is served
+
+
+def launch_p2p(save: Path, *extra: str) -> list[str]:
+    return swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(save / "events.jsonl"), *extra,
+                        P2P_SCRIPT, "--steps", str(STEPS), "--save-dir", str(save), *P2P_ARGS)
+
+
+@pytest.fixture(scope="module")
+def p2p_reference(tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("p2p-reference")
+    proc = run(launch_p2p(save), marker="p2p-reference", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return save
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("fault", [
+    "2:6:forward:sigkill",  # a middle stage, in the forward of its micro-batch loop, two steps after its checkpoint
+    "3:5:backward:sigkill",  # the last stage, in its backward
+])
+def test_hand_written_p2p_stage_is_replayed_bitwise(tmp_path, p2p_reference, fault):
+    """The script moves tensors itself (dist.isend/recv, batch_isend_irecv of P2POps) and registers
+    swiftrun.Stage: the lost stage is replayed from the logged traffic, bitwise, survivors keep their processes."""
+    proc = run(launch_p2p(tmp_path, "--fault", fault), marker="p2p-fault", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lost = int(fault.split(":")[0])
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")], ended
+    assert any(r["event"] == "replay" and r["rank"] == lost for r in records(tmp_path))
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, lost).values()), "a survivor was restarted"
+    assert_same(tmp_path, p2p_reference)
