@@ -1,6 +1,6 @@
 """Shared helpers of the benchmark scripts in scripts/ (plain standard library, no torch import).
 
-The benchmarks launch ``examples/train_dp.py`` under swiftrun and under torchrun, time them from the outside,
+The benchmarks launch ``examples/train_dp.py`` (or ``train_pp.py``, via ``script=``) under swiftrun and under torchrun, time them from the outside,
 read swiftrun's JSON-lines event log, and look at worker processes through /proc (Linux only).
 """
 
@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DP = REPO / "examples" / "train_dp.py"
+TRAIN_PP = REPO / "examples" / "train_pp.py"
 PY = sys.executable
 
 
@@ -29,19 +30,19 @@ PY = sys.executable
 
 
 def swiftrun_cmd(nproc: int, script_args: Sequence[str], *, event_log: Path | None = None,
-                 extra: Sequence[str] = ()) -> list[str]:
+                 extra: Sequence[str] = (), script: Path = TRAIN_DP) -> list[str]:
     cmd = [PY, "-m", "swiftrun", "--no-dashboard", "--nproc-per-node", str(nproc)]
     if event_log is not None:
         cmd += ["--event-log", str(event_log)]
-    return cmd + list(extra) + [str(TRAIN_DP), *script_args]
+    return cmd + list(extra) + [str(script), *script_args]
 
 
 def torchrun_cmd(nproc: int, script_args: Sequence[str], *, max_restarts: int = 1,
-                 extra: Sequence[str] = ()) -> list[str]:
+                 extra: Sequence[str] = (), script: Path = TRAIN_DP) -> list[str]:
     torchrun = shutil.which("torchrun")
     base = [torchrun] if torchrun else [PY, "-m", "torch.distributed.run"]
     return base + ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                   *extra, str(TRAIN_DP), *script_args]
+                   *extra, str(script), *script_args]
 
 
 def train_args(steps: int, save_dir: Path, *, optimizer: str = "adam", ckpt_dir: Path | None = None,
@@ -79,8 +80,9 @@ class Result:
 
 
 def parse_step_ms(text: str) -> float | None:
+    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``) line."""
     for line in reversed(text.splitlines()):
-        if "train_dp: steps=" in line and "step_ms=" in line:
+        if ("train_dp: steps=" in line or "train_pp: steps=" in line) and "step_ms=" in line:
             try:
                 return float(line.rsplit("step_ms=", 1)[1].split()[0])
             except ValueError:

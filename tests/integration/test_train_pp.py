@@ -1,0 +1,140 @@
+"""examples/train_pp.py, the pipeline-parallel reference script: failure-free runs only.
+
+The single-process run is the reference: it does the pipeline's arithmetic (micro-batches in order, one division
+by M), so every schedule with one replica must end bitwise equal to it. Two runs of one command are bitwise
+equal (optimizer state too), and a run resumed from --ckpt-dir equals one that never stopped. Each launch costs
+a few seconds (every rank imports torch), so runs are short and shared between tests.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import EXAMPLES, processes_with_marker, run, swiftrun_cmd, wait_until
+
+pytestmark = pytest.mark.integration
+
+TRAIN_PP = EXAMPLES / "train_pp.py"
+STEPS = 6
+COMMON = ("--steps", str(STEPS), "--layers", "4", "--hidden", "16", "--batch", "16", "--microbatches", "4",
+          "--optimizer", "adam", "--dropout", "0.2")
+TIMEOUT = 120
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(TRAIN_PP), *args]
+
+
+def launch(cmd: list[str], marker: str) -> str:
+    proc = run(cmd, marker, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n" + (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def load(save: Path) -> dict[str, dict]:
+    return {p.name: torch.load(p, weights_only=True) for p in sorted(save.glob("rank*.pt"))}
+
+
+def merged_model(save: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for state in load(save).values():
+        out.update(state["model"])
+    return out
+
+
+def assert_equal_nested(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"differs at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"keys differ at {where}"
+        for k in a:
+            assert_equal_nested(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"lengths differ at {where}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_nested(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"differs at {where}: {a!r} != {b!r}"
+
+
+@pytest.fixture(scope="session")
+def pp_runs(tmp_path_factory):
+    """Results of one configuration, computed once per session: ("single" | launcher+nproc, extra args)."""
+    cache: dict[tuple, Path] = {}
+
+    def get(kind: str, *extra: str) -> Path:
+        key = (kind, extra)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"pp-{kind}") / "save"
+            args = (*COMMON, *extra, "--save-dir", str(out))
+            tag = f"pp-{uuid.uuid4().hex}"
+            if kind == "single":
+                cmd = [sys.executable, str(TRAIN_PP), *args]
+            elif kind.startswith("torchrun"):
+                cmd = torchrun(int(kind.removeprefix("torchrun")), *args)
+            else:
+                cmd = swiftrun_cmd("--nproc-per-node", kind.removeprefix("swiftrun"), "--no-dashboard",
+                                   str(TRAIN_PP), *args)
+            launch(cmd, tag)
+            wait_until(lambda: not processes_with_marker(tag), timeout=10, what="the run's processes to exit")
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule,nproc", [("1f1b", 4), ("gpipe", 4), ("interleaved", 2)])
+def test_schedule_equals_single_process(pp_runs, schedule, nproc):
+    single = pp_runs("single")
+    save = pp_runs(f"torchrun{nproc}", "--schedule", schedule)
+    states = load(save)
+    assert sorted(states) == [f"rank{r}.pt" for r in range(nproc)]
+    stages = [states[f"rank{r}.pt"]["stage"] for r in range(nproc)]
+    assert stages == ([[r, r + nproc] for r in range(nproc)] if schedule == "interleaved" else list(range(nproc)))
+    assert all(s["step"] == STEPS for s in states.values())
+    reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
+    assert_equal_nested(merged_model(save), reference, "model")
+
+
+@pytest.mark.timeout(300)
+def test_two_by_two_data_parallel(pp_runs):
+    save = pp_runs("torchrun4", "--dp", "2", "--schedule", "1f1b")
+    states = load(save)
+    assert [states[f"rank{r}.pt"]["stage"] for r in range(4)] == [0, 1, 0, 1]  # stage = rank % 2
+    for stage in (0, 1):  # DDP on the stage's group keeps the replicas equal, although their batches differ
+        assert_equal_nested(states[f"rank{stage}.pt"]["model"], states[f"rank{stage + 2}.pt"]["model"], "model")
+    single = torch.load(pp_runs("single") / "rank0.pt", weights_only=True)["model"]
+    assert any(not torch.equal(single[k], v) for k, v in merged_model(save).items())  # replica 1's data counted
+
+
+@pytest.mark.timeout(300)
+def test_two_runs_are_bitwise_equal(pp_runs, tmp_path, marker):
+    first = pp_runs("torchrun4", "--schedule", "1f1b")
+    again = tmp_path / "save"
+    launch(torchrun(4, *COMMON, "--schedule", "1f1b", "--save-dir", str(again)), marker)
+    assert_equal_nested(load(first), load(again), "rank files")
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_checkpoint_equals_uninterrupted(pp_runs, tmp_path, marker):
+    uninterrupted = pp_runs("torchrun4", "--schedule", "1f1b")
+    ckpt, save = tmp_path / "ckpt", tmp_path / "save"
+    stopped_at = STEPS // 2
+    args = (*COMMON, "--schedule", "1f1b", "--ckpt-dir", str(ckpt), "--ckpt-every", str(stopped_at))
+    launch(torchrun(4, *args, "--steps", str(stopped_at), "--save-dir", str(tmp_path / "first")), marker)  # the last --steps wins
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"stage{s}-replica0.pt" for s in range(4)]
+    out = launch(torchrun(4, *args, "--save-dir", str(save)), marker)  # --steps STEPS: resumes, then goes on
+    assert f"train_pp: resumed from step {stopped_at}" in out
+    assert_equal_nested(load(uninterrupted), load(save), "rank files")
+
+
+@pytest.mark.timeout(300)
+def test_under_swiftrun_equals_torchrun(pp_runs):
+    save = pp_runs("swiftrun4", "--schedule", "1f1b")
+    assert_equal_nested(load(pp_runs("torchrun4", "--schedule", "1f1b")), load(save), "rank files")
