@@ -309,7 +309,8 @@ def main() -> None:
     has_first, has_last = 0 in stage_ids, num_stages - 1 in stage_ids
 
     run = swiftrun.Run(model=wrapped if interleaved else wrapped[0],  # swiftrun: what a recovery must restore
-                       optimizer=optimizers if interleaved else optimizers[0], pipeline=schedule)
+                       optimizer=optimizers if interleaved else optimizers[0], pipeline=schedule,
+                       checkpoint_every=args.ckpt_every)  # swiftrun: the stage checkpoint interval
     step_ms: dict[int, float] = {}
     for step in run.steps(args.steps, start=start_step):  # swiftrun: yields the step to (re)do
         started = time.perf_counter()
