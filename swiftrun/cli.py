@@ -562,6 +562,12 @@ def launch(
              help="Pipelines: bytes of stage-boundary logs to keep (e.g. 2GiB); stages are grouped to minimise "
                   "the expected replay within it (default: log every boundary)."),
     ] = None,
+    log_memory: Annotated[
+        str | None,
+        _own("--log-memory", panel=SWIFT, metavar="SIZE",
+             help="Pipelines: host memory a rank's boundary logs may use; older entries spill to local disk "
+                  "(default 4GiB)."),
+    ] = None,
     stage_ckpt_dir: Annotated[
         Path | None,
         _own("--stage-ckpt-dir", panel=SWIFT, metavar="DIR",
@@ -732,7 +738,8 @@ def launch(
             startup_restarts=startup_restarts,
             verify_every=verify_every,
             transfer_chunk_mb=transfer_chunk_mb,
-            log_budget=_size(log_budget),
+            log_budget=_size(log_budget, "--log-budget"),
+            log_memory=_size(log_memory, "--log-memory"),
             stage_ckpt_dir=stage_ckpt_dir,
             spares=spares,
             dashboard=dashboard,
@@ -750,8 +757,8 @@ def launch(
     raise typer.Exit(code)
 
 
-def _size(flag: str | None) -> int | None:
-    """--log-budget SIZE (2GiB, 500MB, 123) in bytes; bad text is a ConfigError naming the flag."""
+def _size(flag: str | None, name: str) -> int | None:
+    """A SIZE flag (2GiB, 500MB, 123) in bytes; bad text is a ConfigError naming the flag."""
     if flag is None:
         return None
     from swiftrun.pipeline.planner import PlanError, parse_size
@@ -759,7 +766,7 @@ def _size(flag: str | None) -> int | None:
     try:
         return parse_size(flag)
     except PlanError as err:
-        raise ConfigError(f"--log-budget: {err}") from None
+        raise ConfigError(f"{name}: {err}") from None
 
 
 def _conf_seconds(conf: tuple[tuple[str, str], ...], key: str, default: float) -> float:

@@ -179,6 +179,7 @@ class LaunchConfig:
     transfer_chunk_mb: int = 0  # state transfer chunk size in MiB (0: 16 on the CPU, 64 on a GPU)
     log_budget: int | None = None  # pipelines: bytes of boundary logs allowed (None: log every boundary)
     stage_ckpt_dir: Path | None = None  # pipelines: also write stage checkpoints here (survives adjacent losses)
+    log_memory: int | None = None  # pipelines: bytes of logs kept in host memory per rank, the rest spilled to disk
     spares: int = 1
     dashboard: bool | None = None  # None: on when stdout is a terminal
     event_log: Path | None = None
@@ -209,6 +210,8 @@ class LaunchConfig:
             raise ConfigError("--max-restarts, --max-recoveries, --startup-restarts and --spares must be >= 0")
         if self.log_budget is not None and self.log_budget < 0:
             raise ConfigError("--log-budget must be >= 0")
+        if self.log_memory is not None and self.log_memory < 0:
+            raise ConfigError("--log-memory must be >= 0")
         if self.verify_every < 0 or self.transfer_chunk_mb < 0:
             raise ConfigError("--verify-every and --transfer-chunk-mb must be >= 0 (0: off / the default)")
         if self.monitor_interval <= 0:

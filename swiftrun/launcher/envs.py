@@ -122,6 +122,8 @@ def runtime_env(
         env[FAULTS] = ";".join(f.encode() for f in config.faults)
     if config.log_budget is not None:
         env[LOG_BUDGET] = str(config.log_budget)
+    if config.log_memory is not None:
+        env["SWIFTRUN_LOG_MEMORY"] = str(config.log_memory)
     if config.stage_ckpt_dir is not None:
         env[STAGE_CKPT_DIR] = str(config.stage_ckpt_dir.resolve())
     return env

@@ -41,6 +41,7 @@ from swiftrun.errors import RecoveryError
 from swiftrun.runtime import pp_logplan, subgroups
 from swiftrun.runtime import state as st
 from swiftrun.runtime.pp_handover import CheckpointDir, from_bytes, swap, to_bytes
+from swiftrun.runtime.pp_log import LogStore
 from swiftrun.runtime.pp_plan import StageStatus
 from swiftrun.runtime.registry import RegistrationError
 from swiftrun.runtime.txn import rng_state, set_rng_state
@@ -91,8 +92,7 @@ class Pipeline:
         self.schedule, self.stages = (None, []) if isinstance(spec, Stage) else stages_of(spec)
         self.seed = torch.initial_seed()
         self.every = max(1, int(checkpoint_every))
-        self.log: dict[Key, torch.Tensor] = {}
-        self.log_bytes = 0
+        self.log = LogStore()  # bounded in memory (--log-memory), the rest spilled to local disk
         self.coll: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._coll_seq = 0
         self.log_start = 0  # the oldest step whose sends are still logged
@@ -220,12 +220,8 @@ class Pipeline:
 
     def _record(self, key: Key, tensor: torch.Tensor) -> None:
         copy = _host_copy(tensor)
-        old = self.log.get(key)
-        if old is not None:
-            self.log_bytes -= old.numel() * old.element_size()
-        self.log[key] = copy
+        self.log.put(key, copy)
         nbytes = copy.numel() * copy.element_size()
-        self.log_bytes += nbytes
         boundary = (key[2], key[3])
         self._volume_now[boundary] = self._volume_now.get(boundary, 0) + nbytes
 
@@ -299,18 +295,14 @@ class Pipeline:
             self._gc_at = step
 
     def _drop_before(self, step: int) -> None:
-        for key in [k for k in self.log if k[0] < step]:
-            t = self.log.pop(key)
-            self.log_bytes -= t.numel() * t.element_size()
+        self.log.drop(lambda k: k[0] < step)
         for key in [k for k in self.coll if k[0] < step]:
             del self.coll[key]
         self.log_start = step
 
     def drop_after(self, step: int) -> None:
         """Sends of steps past the recovery point will be made again (same values): forget the old ones."""
-        for key in [k for k in self.log if k[0] > step]:
-            t = self.log.pop(key)
-            self.log_bytes -= t.numel() * t.element_size()
+        self.log.drop(lambda k: k[0] > step)
         for key in [k for k in self.coll if k[0] > step]:
             del self.coll[key]
 
@@ -349,7 +341,7 @@ class Pipeline:
             part["checkpoint"] = self.held[2]
         if logs:
             to_member = {i for i in range(self.num_stages) if self._rank_of(i) == member}
-            part["log"] = {k: v for k, v in self.log.items() if replay.start <= k[0] <= point and k[3] in to_member}
+            part["log"] = self.log.select(lambda k: replay.start <= k[0] <= point and k[3] in to_member)
         if coll:
             part["coll"] = {k: v for k, v in self.coll.items() if replay.start <= k[0] <= point}
         return part
@@ -377,7 +369,6 @@ class Pipeline:
                        "started": time.monotonic()}
         self.log.clear()
         self.coll.clear()
-        self.log_bytes = 0
         self.log_start = replay.start
 
     def end_replay(self) -> float:
