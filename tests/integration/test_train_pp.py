@@ -138,3 +138,17 @@ def test_resume_from_checkpoint_equals_uninterrupted(pp_runs, tmp_path, marker):
 def test_under_swiftrun_equals_torchrun(pp_runs):
     save = pp_runs("swiftrun4", "--schedule", "1f1b")
     assert_equal_nested(load(pp_runs("torchrun4", "--schedule", "1f1b")), load(save), "rank files")
+
+
+@pytest.mark.timeout(300)
+def test_swiftrun_replays_a_killed_interleaved_rank_to_torchruns_result(pp_runs, tmp_path, marker):
+    """Interleaved 1F1B on 2 ranks (4 virtual stages), rank 1 SIGKILLed mid-run: its replacement replays both of
+    its stages from the checkpoint rank 0 holds, and the job ends bitwise equal to plain torchrun's run."""
+    reference = pp_runs("torchrun2", "--schedule", "interleaved")
+    save = tmp_path / "save"
+    events = tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "2", "--no-dashboard", "--event-log", str(events),
+                        "--fault", "1:5:backward:sigkill", str(TRAIN_PP), *COMMON, "--schedule", "interleaved",
+                        "--ckpt-every", "2", "--save-dir", str(save)), marker)
+    assert '"event":"replay"' in events.read_text()
+    assert_equal_nested(load(reference), load(save), "rank files")
