@@ -30,6 +30,7 @@ STARTUP_TIMEOUT = "SWIFTRUN_STARTUP_TIMEOUT"  # a replacement's spawn/ASSIGN -> 
 FAULTS = "SWIFTRUN_FAULTS"  # ";"-joined FaultSpec encodings
 RECOVERY = "SWIFTRUN_RECOVERY"  # RecoveryMode value
 VERIFY_EVERY = "SWIFTRUN_VERIFY_EVERY"  # compare the replicas' whole state every N steps (0: after recoveries)
+EXACT_UNDO = "SWIFTRUN_EXACT_UNDO"  # "1": undo restores a pre-step copy of parameters and optimizer state
 TRANSFER_CHUNK_MB = "SWIFTRUN_TRANSFER_CHUNK_MB"  # state transfer chunk, MiB (0: the device's default)
 
 
@@ -115,6 +116,7 @@ def runtime_env(
         RECOVERY: config.recovery.value,
         VERIFY_EVERY: str(config.verify_every),
         TRANSFER_CHUNK_MB: str(config.transfer_chunk_mb),
+        EXACT_UNDO: "1" if config.exact_undo else "0",
     }
     if config.faults:
         env[FAULTS] = ";".join(f.encode() for f in config.faults)

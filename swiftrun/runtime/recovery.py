@@ -32,7 +32,7 @@ from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.buffers import BroadcastBuffers
 from swiftrun.runtime.process import ProcessRuntime, warn
 from swiftrun.runtime.registry import Registry, RegistrationError
-from swiftrun.runtime.txn import Transaction, rng_state, set_rng_state
+from swiftrun.runtime.txn import PreStepCopy, Transaction, rng_state, set_rng_state
 
 log = logging.getLogger("swiftrun.runtime")
 
@@ -82,7 +82,10 @@ class Recovery:
         self._stepped: dict[int, int] = {}  # registered optimizer index -> steps taken in this iteration
         self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
         self._checked_first_step = False
-        self._records: dict[int, dict[int, undo.StepRecord]] = {}  # step -> optimizer index -> record
+        # step -> optimizer index -> what undoes that step: an inverse's record, or (--exact-undo) a copy
+        self._records: dict[int, dict[int, undo.StepRecord | PreStepCopy]] = {}
+        self.exact_undo = rt.wenv.exact_undo
+        self._copies: dict[int, PreStepCopy] = {}  # optimizer index -> its pre-step copy (one slot, reused)
         self.buffers = BroadcastBuffers(self)
         self._install_hooks()
         collectives.install(self)
@@ -382,7 +385,12 @@ class Recovery:
         def pre_hook(optimizer, args, kwargs):
             stepped = self._stepped.get(index, 0)
             self._stepped[index] = stepped + 1
-            if stepped:  # a second step of the same optimizer in one iteration: one record cannot undo both
+            if self.exact_undo:
+                if not stepped:  # the copy before the first step of the iteration also undoes a second one
+                    pre = self._copies.setdefault(index, PreStepCopy())
+                    pre.take(optimizer, self.step)
+                    self._records.setdefault(self.step, {})[index] = pre
+            elif stepped:  # a second step of the same optimizer in one iteration: one record cannot undo both
                 self._records.setdefault(self.step, {})[index] = undo.StepRecord(
                     id(optimizer), (), unavailable_reason="the optimizer stepped twice in one iteration")
             elif undo.invertible(optimizer)[0]:
@@ -405,13 +413,18 @@ class Recovery:
         if self.txn.snapshot(step) is None:
             return False
         # every record must be undoable before any is undone: a refusal half-way would leave a mixed state
-        return all(undo.undoable(self.reg.optimizers[index], record)[0] for index, record in records.items())
+        return all(record.step == step if isinstance(record, PreStepCopy)
+                   else undo.undoable(self.reg.optimizers[index], record)[0] for index, record in records.items())
 
     def _undo_last_update(self) -> None:
         step = self.position
         records = self._records.get(step, {})
         for index in sorted(records, reverse=True):
-            undo.undo_step(self.reg.optimizers[index], records[index])
+            record = records[index]
+            if isinstance(record, PreStepCopy):
+                record.restore(self.reg.optimizers[index])
+            else:
+                undo.undo_step(self.reg.optimizers[index], record)
         snap = self.txn.snapshot(step)
         assert snap is not None  # _undoable checked it
         self.txn.restore(snap)
