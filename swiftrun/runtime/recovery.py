@@ -27,6 +27,7 @@ from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.runtime import collectives, faults, undo, verify
 from swiftrun.runtime import state as st
 from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
+from swiftrun.runtime import ddp as ddp_tools
 from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.buffers import BroadcastBuffers
@@ -87,6 +88,8 @@ class Recovery:
         self.exact_undo = rt.wenv.exact_undo
         self._copies: dict[int, PreStepCopy] = {}  # optimizer index -> its pre-step copy (one slot, reused)
         self.buffers = BroadcastBuffers(self)
+        # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
+        self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.predictable(d) else None for d in self.reg.ddps]
         self._install_hooks()
         collectives.install(self)
 
@@ -126,6 +129,9 @@ class Recovery:
         self._stepped.clear()
         self.link.step = step
         self.txn.begin(step)
+        for order in self._orders:
+            if order is not None and order.active and ddp_tools.rebuilt_layout(order.ddp) is not None:
+                order.close()  # DDP reports its own layout now (from its third forward on)
         return True
 
     def complete_step(self, step: int) -> None:
@@ -312,7 +318,8 @@ class Recovery:
         own_rng = self.txn.rng_for(plan.point + 1)
         box: list[Any] = [None]
         if self.rank == plan.source:
-            box[0] = {"layouts": st.layouts_of(self.reg), "rng": own_rng or rng_state()}
+            layouts = [ddp_tools.next_layout(d, o, plan.point) for d, o in zip(self.reg.ddps, self._orders)]
+            box[0] = {"layouts": layouts, "rng": own_rng or rng_state()}
         dist.broadcast_object_list(box, src=plan.source, device=device if device.type == "cuda" else None)
         shared = box[0]
         if plan.targets:
@@ -325,10 +332,12 @@ class Recovery:
                             on_chunk=self._transfer_fault if self.rank == plan.source else None)
         for ddp, layout in zip(self.reg.ddps, shared["layouts"]):
             rebind(ddp, layout)
-        if self.rank == plan.source and plan.point >= 0 and any(lay is None for lay in shared["layouts"]):
+        unknown = [lay is None and ddp_tools.rebuilds(d) for d, lay in zip(self.reg.ddps, shared["layouts"])]
+        if self.rank == plan.source and plan.point >= 0 and any(unknown):
             # DDP rebuilds its buckets from the gradient order it recorded in its first iteration, at the second
-            # forward; a reducer rebuilt by the recovery has recorded nothing, so this run keeps the initial
-            # buckets one iteration longer than a failure-free run would: sums round differently
+            # forward; a reducer rebuilt by the recovery has recorded nothing. The runtime predicts that layout
+            # from its own record of the order (ddp.ReadyOrder), except for a static graph: such a run keeps the
+            # initial buckets one iteration longer than a failure-free run would, and sums round differently
             warn("the failure came before DDP rebuilt its gradient buckets (during the first steps): the "
                  "recovered run is not bitwise the failure-free one (about 1e-7 relative), replicas stay equal")
         set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])

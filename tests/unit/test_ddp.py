@@ -1,0 +1,66 @@
+"""The bucket layout DDP's first rebuild makes, predicted from the gradient order the runtime records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from swiftrun.runtime import ddp as ddp_tools
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _mlp(hidden: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(hidden, 1))
+
+
+@pytest.mark.parametrize(("hidden", "cap_mb"), [(512, None), (64, 0.01), (32, 25.0)])
+def test_predicted_layout_is_the_one_ddp_rebuilds(world_of_one, hidden, cap_mb):
+    kwargs = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
+    ddp = DistributedDataParallel(_mlp(hidden, 4), **kwargs)
+    order = ddp_tools.ReadyOrder(ddp)
+    ddp(torch.randn(4, hidden)).sum().backward()
+    assert order.order is not None and sorted(order.order) == list(range(9 + 1))
+    predicted = ddp_tools.predicted_layout(ddp, order.order)
+    for _ in range(2):  # DDP rebuilds at the second forward and reports it from the third on
+        assert ddp_tools.rebuilt_layout(ddp) is None
+        ddp(torch.randn(4, hidden)).sum().backward()
+    assert ddp_tools.rebuilt_layout(ddp) == predicted
+    if cap_mb is None:  # the default caps: one initial bucket, two rebuilt ones (first bucket capped at 1 MiB)
+        assert len(predicted) == 2
+    order.close()
+    assert not order.active
+
+
+def test_order_restarts_with_each_backward_and_needs_a_complete_one(world_of_one):
+    ddp = DistributedDataParallel(_mlp(8, 2))
+    order = ddp_tools.ReadyOrder(ddp)
+    assert ddp_tools.next_layout(ddp, order, 0) is None  # nothing recorded: the initial layout
+    out = ddp(torch.randn(2, 8)).sum()
+    out.backward(retain_graph=True)
+    out.backward()  # the second backward starts a new order instead of extending the first
+    assert order.order == [5, 4, 3, 2, 1, 0]
+    assert ddp_tools.next_layout(ddp, order, -1) is None  # redoing step 0: the initial layout, as failure-free
+    assert ddp_tools.next_layout(ddp, order, 0) == ddp_tools.predicted_layout(ddp, order.order)
+    order.close()
+
+
+def test_no_prediction_where_ddp_does_not_rebuild_its_way(world_of_one):
+    unused = DistributedDataParallel(_mlp(8, 2), find_unused_parameters=True)
+    static = DistributedDataParallel(_mlp(8, 2), static_graph=True)
+    assert not ddp_tools.rebuilds(unused) and not ddp_tools.predictable(unused)
+    assert ddp_tools.rebuilds(static) and not ddp_tools.predictable(static)
