@@ -338,8 +338,9 @@ class Recovery:
             # forward; a reducer rebuilt by the recovery has recorded nothing. The runtime predicts that layout
             # from its own record of the order (ddp.ReadyOrder), except for a static graph: such a run keeps the
             # initial buckets one iteration longer than a failure-free run would, and sums round differently
-            warn("the failure came before DDP rebuilt its gradient buckets (during the first steps): the "
-                 "recovered run is not bitwise the failure-free one (about 1e-7 relative), replicas stay equal")
+            warn("the failure came before a static-graph DDP module reported its rebuilt gradient buckets (during "
+                 "the first steps): the recovered run is not bitwise the failure-free one (about 1e-7 relative with "
+                 "3 ranks or more), replicas stay equal")
         set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
 
     def _transfer_fault(self, chunk: int) -> None:
