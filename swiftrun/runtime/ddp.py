@@ -22,6 +22,8 @@ the initial layout one iteration longer (about 1e-7 relative off at the end, cam
 :class:`ReadyOrder` therefore records that order itself (a post-accumulate-grad hook per parameter, removed
 once DDP reports its rebuild) and :func:`predicted_layout` computes the layout DDP's rebuild makes of it, with
 DDP's own assignment function and bucket caps (checked equal to DDP's rebuilt layout, tests/unit/test_ddp.py).
+A static graph does all of this one iteration later (its first iteration only records the graph). Left
+inexact: a static graph recovered at point 0 (see :func:`next_layout`), said with a warning.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ def rebuilds(ddp: DistributedDataParallel) -> bool:
     return ddp.static_graph or not ddp.find_unused_parameters
 
 
-def predictable(ddp: DistributedDataParallel) -> bool:
-    """Whether :func:`predicted_layout` models this DDP's rebuild: a static graph delays its first iteration's
-    reduction and records the order its own way (not modelled; measured: it reports no rebuilt layout within
-    three iterations)."""
-    return rebuilds(ddp) and not ddp.static_graph
+def first_rebuilt_step(ddp: DistributedDataParallel) -> int:
+    """The first iteration that runs the rebuilt layout: the second, or with a static graph (whose first
+    iteration only records the graph, reducing everything at its end) the third (measured: DDP's logging reports
+    one bucket reduced in iterations 0 and 1, two from iteration 2 on, in tests/unit/test_ddp.py's model)."""
+    return 2 if ddp.static_graph else 1
 
 
 def rebuilt_layout(ddp: DistributedDataParallel) -> Layout | None:
@@ -109,10 +111,14 @@ def predicted_layout(ddp: DistributedDataParallel, order: list[int]) -> Layout:
 
 def next_layout(ddp: DistributedDataParallel, order: ReadyOrder | None, point: int) -> Layout | None:
     """The layout the failure-free run uses at step ``point + 1``: DDP's rebuilt one, the one a recovery installed
-    (until the reducer rebuilds it again), the prediction from the recorded order once an iteration completed,
-    else the initial layout (None)."""
+    (until the reducer rebuilds it again), the prediction from the recorded order from the first rebuilt step
+    on, else the initial layout (None).
+
+    One case stays inexact: a static graph recovered at point 0. Step 1 runs the initial layout, as failure-free,
+    but the rebound reducer counts step 1 as its first iteration and rebuilds one step later than DDP would."""
     layout = current_layout(ddp)
-    if layout is None and point >= 0 and order is not None and order.order is not None and predictable(ddp):
+    if (layout is None and point + 1 >= first_rebuilt_step(ddp) and order is not None and order.order is not None
+            and rebuilds(ddp)):
         layout = predicted_layout(ddp, order.order)
     return layout
 

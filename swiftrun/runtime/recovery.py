@@ -89,7 +89,7 @@ class Recovery:
         self._copies: dict[int, PreStepCopy] = {}  # optimizer index -> its pre-step copy (one slot, reused)
         self.buffers = BroadcastBuffers(self)
         # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
-        self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.predictable(d) else None for d in self.reg.ddps]
+        self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.rebuilds(d) else None for d in self.reg.ddps]
         self._install_hooks()
         collectives.install(self)
 
@@ -334,13 +334,14 @@ class Recovery:
             rebind(ddp, layout)
         unknown = [lay is None and ddp_tools.rebuilds(d) for d, lay in zip(self.reg.ddps, shared["layouts"])]
         if self.rank == plan.source and plan.point >= 0 and any(unknown):
-            # DDP rebuilds its buckets from the gradient order it recorded in its first iteration, at the second
-            # forward; a reducer rebuilt by the recovery has recorded nothing. The runtime predicts that layout
-            # from its own record of the order (ddp.ReadyOrder), except for a static graph: such a run keeps the
-            # initial buckets one iteration longer than a failure-free run would, and sums round differently
-            warn("the failure came before a static-graph DDP module reported its rebuilt gradient buckets (during "
-                 "the first steps): the recovered run is not bitwise the failure-free one (about 1e-7 relative with "
-                 "3 ranks or more), replicas stay equal")
+            # DDP rebuilds its buckets from the gradient order of its first iterations; a reducer rebuilt by the
+            # recovery has recorded nothing. The runtime hands on the layout it predicts from its own record of the
+            # order (ddp.next_layout), except for a static graph recovered after its first step: step 1 runs the
+            # initial buckets as it should, but the rebound reducer counts it as its first iteration and keeps
+            # the initial buckets one iteration longer than a failure-free run would: sums round differently
+            warn("the failure came in the first steps of a static-graph DDP module, before it rebuilt its gradient "
+                 "buckets: the recovered run is not bitwise the failure-free one (about 1e-7 relative with 3 ranks "
+                 "or more), replicas stay equal")
         set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
 
     def _transfer_fault(self, chunk: int) -> None:

@@ -59,8 +59,23 @@ def test_order_restarts_with_each_backward_and_needs_a_complete_one(world_of_one
     order.close()
 
 
-def test_no_prediction_where_ddp_does_not_rebuild_its_way(world_of_one):
-    unused = DistributedDataParallel(_mlp(8, 2), find_unused_parameters=True)
-    static = DistributedDataParallel(_mlp(8, 2), static_graph=True)
-    assert not ddp_tools.rebuilds(unused) and not ddp_tools.predictable(unused)
-    assert ddp_tools.rebuilds(static) and not ddp_tools.predictable(static)
+def test_static_graph_rebuilds_one_iteration_later_as_predicted(world_of_one):
+    ddp = DistributedDataParallel(_mlp(64, 4), bucket_cap_mb=0.01, static_graph=True)
+    order = ddp_tools.ReadyOrder(ddp)
+    ddp(torch.randn(2, 64)).sum().backward()
+    assert ddp_tools.next_layout(ddp, order, 0) is None  # step 1 still runs the initial layout
+    predicted = ddp_tools.next_layout(ddp, order, 1)
+    assert predicted is not None and len(predicted) > 1
+    for _ in range(3):  # rebuilt at the third forward, reported from the fourth
+        assert ddp_tools.rebuilt_layout(ddp) is None
+        ddp(torch.randn(2, 64)).sum().backward()
+    assert ddp_tools.rebuilt_layout(ddp) == predicted
+    order.close()
+
+
+def test_find_unused_parameters_never_rebuilds(world_of_one):
+    ddp = DistributedDataParallel(_mlp(64, 4), bucket_cap_mb=0.01, find_unused_parameters=True)
+    assert not ddp_tools.rebuilds(ddp)
+    for _ in range(4):
+        ddp(torch.randn(2, 64)).sum().backward()
+    assert ddp_tools.rebuilt_layout(ddp) is None  # its initial layout is the exact one throughout
