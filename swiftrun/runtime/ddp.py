@@ -22,8 +22,8 @@ the initial layout one iteration longer (about 1e-7 relative off at the end, cam
 :class:`ReadyOrder` therefore records that order itself (a post-accumulate-grad hook per parameter, removed
 once DDP reports its rebuild) and :func:`predicted_layout` computes the layout DDP's rebuild makes of it, with
 DDP's own assignment function and bucket caps (checked equal to DDP's rebuilt layout, tests/unit/test_ddp.py).
-A static graph does all of this one iteration later (its first iteration only records the graph). Left
-inexact: a static graph recovered at point 0 (see :func:`next_layout`), said with a warning.
+A static graph does all of this one iteration later (its first iteration only records the graph); one recovered
+after its first step is rebound once more at step 2 (runtime/recovery.py).
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def next_layout(ddp: DistributedDataParallel, order: ReadyOrder | None, point: i
     (until the reducer rebuilds it again), the prediction from the recorded order from the first rebuilt step
     on, else the initial layout (None).
 
-    One case stays inexact: a static graph recovered at point 0. Step 1 runs the initial layout, as failure-free,
-    but the rebound reducer counts step 1 as its first iteration and rebuilds one step later than DDP would."""
+    A static graph recovered at point 0 gets None, right for step 1, but its rebound reducer counts step 1 as its
+    first iteration and would rebuild one step later than DDP does: the recovery rebinds it at step 2."""
     layout = current_layout(ddp)
     if (layout is None and point + 1 >= first_rebuilt_step(ddp) and order is not None and order.order is not None
             and rebuilds(ddp)):

@@ -90,6 +90,9 @@ class Recovery:
         self.buffers = BroadcastBuffers(self)
         # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
         self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.rebuilds(d) else None for d in self.reg.ddps]
+        # DDP index -> the step at whose start it is rebound again with its predicted layout (a static graph
+        # recovered at point 0, see _transfer)
+        self._rebind_at: dict[int, int] = {}
         self._install_hooks()
         collectives.install(self)
 
@@ -129,6 +132,12 @@ class Recovery:
         self._stepped.clear()
         self.link.step = step
         self.txn.begin(step)
+        for index, at in list(self._rebind_at.items()):
+            order = self._orders[index]
+            if step >= at and order is not None and order.order is not None:
+                # every rank recorded the same order in the step before (same graph): a local, identical rebind
+                rebind(order.ddp, ddp_tools.predicted_layout(order.ddp, order.order))
+                del self._rebind_at[index]
         for order in self._orders:
             if order is not None and order.active and ddp_tools.rebuilt_layout(order.ddp) is not None:
                 order.close()  # DDP reports its own layout now (from its third forward on)
@@ -330,18 +339,24 @@ class Recovery:
                     self.valid = False  # until the whole state arrived
                 st.transfer(self.reg, plan.source, self.rank, group, device, self.chunk_bytes,
                             on_chunk=self._transfer_fault if self.rank == plan.source else None)
-        for ddp, layout in zip(self.reg.ddps, shared["layouts"]):
+        self._rebind_at.clear()
+        for index, (ddp, layout) in enumerate(zip(self.reg.ddps, shared["layouts"])):
             rebind(ddp, layout)
-        unknown = [lay is None and ddp_tools.rebuilds(d) for d, lay in zip(self.reg.ddps, shared["layouts"])]
+            if layout is None and ddp.static_graph and 0 <= plan.point < ddp_tools.first_rebuilt_step(ddp) - 1:
+                # a static graph redoing step 1 runs the initial layout, as failure-free, but the rebound reducer
+                # counts step 1 as its first iteration and would rebuild one step late: rebind it at step 2 with
+                # the layout DDP rebuilds then (its order is recorded during step 1 on every rank)
+                self._rebind_at[index] = ddp_tools.first_rebuilt_step(ddp)
+        unknown = [lay is None and ddp_tools.rebuilds(d) and index not in self._rebind_at
+                   for index, (d, lay) in enumerate(zip(self.reg.ddps, shared["layouts"]))]
         if self.rank == plan.source and plan.point >= 0 and any(unknown):
             # DDP rebuilds its buckets from the gradient order of its first iterations; a reducer rebuilt by the
             # recovery has recorded nothing. The runtime hands on the layout it predicts from its own record of the
-            # order (ddp.next_layout), except for a static graph recovered after its first step: step 1 runs the
-            # initial buckets as it should, but the rebound reducer counts it as its first iteration and keeps
-            # the initial buckets one iteration longer than a failure-free run would: sums round differently
-            warn("the failure came in the first steps of a static-graph DDP module, before it rebuilt its gradient "
-                 "buckets: the recovered run is not bitwise the failure-free one (about 1e-7 relative with 3 ranks "
-                 "or more), replicas stay equal")
+            # order (ddp.next_layout); without that record (not expected once a step completed) this run keeps
+            # the initial buckets longer than a failure-free run would: sums round differently
+            warn("the failure came before DDP rebuilt its gradient buckets and their layout is unknown: the "
+                 "recovered run is not bitwise the failure-free one (about 1e-7 relative with 3 ranks or more), "
+                 "replicas stay equal")
         set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
 
     def _transfer_fault(self, chunk: int) -> None:

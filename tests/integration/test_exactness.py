@@ -129,13 +129,16 @@ def test_exact_undo_restores_an_undone_update_bitwise(flags, fault, reference, t
     assert_exact(save, reference(flags), events, bitwise=True)
 
 
-def test_static_graph_recovered_before_ddp_reports_its_rebuilt_buckets(reference, tmp_path, marker):
+@pytest.mark.parametrize("fault", ["1:1:forward:sigkill", "1:2:forward:sigkill"], ids=["redo-step-1", "redo-step-2"])
+def test_static_graph_recovered_before_ddp_reports_its_rebuilt_buckets(fault, reference, tmp_path, marker):
     """A static-graph DDP module runs its initial bucket (one here) in steps 0 and 1 and the rebuilt ones (two:
-    the WIDE x WIDE layer exceeds the 1 MiB first-bucket cap) from step 2, reported only from step 3. The redo of
-    step 2 must run the rebuilt layout, which the runtime predicts from the gradient order it recorded. With 3
-    ranks gloo's ring sums an element in an order set by its offset in the bucket, so the layout shows."""
+    the WIDE x WIDE layer exceeds the 1 MiB first-bucket cap) from step 2, reported only from step 3. A redo of
+    step 2 must run the rebuilt layout, which the runtime predicts from the gradient order it recorded; after a
+    redo of step 1 (initial layout) the rebound reducer, which counts step 1 as its first iteration, is rebound
+    at step 2. With 3 ranks gloo's ring sums an element in an order set by its offset in the bucket, so the
+    layout shows."""
     flags = ("--static-graph", "--wide", "600")
-    proc, save, events = _launch(tmp_path, marker, flags, ("1:2:forward:sigkill",), world=3)
+    proc, save, events = _launch(tmp_path, marker, flags, (fault,), world=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_exact(save, reference(flags, world=3), events, world=3)
     assert "not bitwise" not in proc.stderr, proc.stderr[-3000:]
