@@ -551,6 +551,12 @@ def launch(
         _own("--verify-every", panel=SWIFT, metavar="N",
              help="Also compare every rank's whole state every N steps (0: only after each recovery)."),
     ] = 0,
+    exact_undo: Annotated[
+        bool,
+        _own("--exact-undo/--no-exact-undo", panel=SWIFT,
+             help="Copy the parameters and optimizer state before every optimizer step, so that an undone update "
+                  "is restored bitwise (costs their memory and a copy per step; default: invert it, a few ULP off)."),
+    ] = False,
     transfer_chunk_mb: Annotated[
         int,
         _own("--transfer-chunk-mb", panel=SWIFT, metavar="MB",
@@ -737,6 +743,7 @@ def launch(
             max_recoveries=max_recoveries,
             startup_restarts=startup_restarts,
             verify_every=verify_every,
+            exact_undo=exact_undo,
             transfer_chunk_mb=transfer_chunk_mb,
             log_budget=_size(log_budget, "--log-budget"),
             log_memory=_size(log_memory, "--log-memory"),

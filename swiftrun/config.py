@@ -176,6 +176,9 @@ class LaunchConfig:
     # swiftrun.Run; they do not consume --max-restarts, since nothing of the job's own was lost yet
     startup_restarts: int = 3
     verify_every: int = 0  # also compare every rank's whole state every N steps (0: only after recoveries)
+    # copy parameters and optimizer state before every optimizer step: an undo restores them bitwise instead of
+    # inverting the update (which leaves a few ULP); costs that memory and a copy per step
+    exact_undo: bool = False
     transfer_chunk_mb: int = 0  # state transfer chunk size in MiB (0: 16 on the CPU, 64 on a GPU)
     log_budget: int | None = None  # pipelines: bytes of boundary logs allowed (None: log every boundary)
     stage_ckpt_dir: Path | None = None  # pipelines: also write stage checkpoints here (survives adjacent losses)

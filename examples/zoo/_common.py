@@ -142,3 +142,42 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: I
         scale = max(y.abs().max().item(), 1e-12)
         worst = max(worst, (x - y).abs().max().item() / scale)
     return worst
+
+
+def kind_of(key: str) -> tuple[str, str]:
+    """The kind of a flat key: its path before the first index, and its leaf name.
+
+    ``opt0.state.7.momentum_buffer`` is ("opt0.state", "momentum_buffer"): every parameter's momentum buffer;
+    ``model.param.6.bias`` is ("model.param", "bias"): every layer's bias."""
+    parts = key.split(".")
+    first_index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+    return ".".join(parts[:first_index]), parts[-1]
+
+
+def kind_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: Iterable[str] | None = None) -> float:
+    """Largest |a-b| of a floating-point entry over the largest magnitude of *its kind* in ``b`` (see kind_of).
+
+    An inverted update is off by a few ULP of the values it handled, and training mixes those errors between
+    tensors of the same kind. Dividing by one tensor's own magnitude would blow that up for a tensor that
+    happens to be near zero at the end: the output bias's momentum, one element of 0.0066, was 1 ULP of 0.125
+    (1.5e-8) off after an undo, "2.3e-6 relative" per tensor and 1.1e-7 of its kind (campaign seed 2 run 1).
+    Integer entries must be equal (inf otherwise), like missing keys or different shapes."""
+    scales: dict[tuple[str, str], float] = {}
+    for key, value in b.items():
+        if value.is_floating_point() and value.numel():
+            kind = kind_of(key)
+            scales[kind] = max(scales.get(kind, 0.0), value.double().abs().max().item())
+    worst = 0.0
+    for key in (keys if keys is not None else sorted(set(a) | set(b))):
+        if key not in a or key not in b or a[key].shape != b[key].shape:
+            return math.inf
+        x, y = a[key], b[key]
+        if not (x.is_floating_point() and y.is_floating_point()):
+            if not torch.equal(x, y):
+                return math.inf
+            continue
+        if x.numel() == 0:
+            continue
+        scale = max(scales.get(kind_of(key), 0.0), 1e-12)
+        worst = max(worst, (x.double() - y.double()).abs().max().item() / scale)
+    return worst

@@ -13,9 +13,22 @@ So every rank rebuilds its reducer with the layout the source rank reports (the 
 run an iteration), by re-running DDP's own reducer construction with that bucket assignment. The new reducer
 rebuilds its buckets again after its first iteration, from the real gradient order, which reproduces the same
 layout; that is what keeps recovered training bitwise equal to failure-free training.
+
+Before DDP's own rebuild there is no rebuilt layout to hand on, yet training may already need it: DDP records the
+order in which gradients become ready during its first backward and rebuilds its buckets from it at the *second*
+forward (and reports the result only at the third). A recovery whose redo is step 1 or 2 must run the rebuilt
+layout, as the failure-free run does; a reducer rebuilt by the recovery has recorded nothing, so it would run
+the initial layout one iteration longer (about 1e-7 relative off at the end, campaign seed 2 run 4).
+:class:`ReadyOrder` therefore records that order itself (a post-accumulate-grad hook per parameter, removed
+once DDP reports its rebuild) and :func:`predicted_layout` computes the layout DDP's rebuild makes of it, with
+DDP's own assignment function and bucket caps (checked equal to DDP's rebuilt layout, tests/unit/test_ddp.py).
+A static graph does all of this one iteration later (its first iteration only records the graph); one recovered
+after its first step is rebound once more at step 2 (runtime/recovery.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -31,10 +44,85 @@ def current_layout(ddp: DistributedDataParallel) -> Layout | None:
 
     A reducer built by :func:`rebind` reports no rebuilt layout until it rebuilds after its first iteration;
     until then the layout in use is the one it was given (a second failure can come that soon)."""
+    return rebuilt_layout(ddp) or getattr(ddp, _FORCED, None)
+
+
+def rebuilds(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP rebuilds its buckets after its first iteration (the reducer's own condition): with
+    ``find_unused_parameters`` and a dynamic graph it never does, and its initial layout is exact as it is."""
+    return ddp.static_graph or not ddp.find_unused_parameters
+
+
+def first_rebuilt_step(ddp: DistributedDataParallel) -> int:
+    """The first iteration that runs the rebuilt layout: the second, or with a static graph (whose first
+    iteration only records the graph, reducing everything at its end) the third (measured: DDP's logging reports
+    one bucket reduced in iterations 0 and 1, two from iteration 2 on, in tests/unit/test_ddp.py's model)."""
+    return 2 if ddp.static_graph else 1
+
+
+def rebuilt_layout(ddp: DistributedDataParallel) -> Layout | None:
+    """The layout DDP reports having rebuilt, if it reports one yet."""
     text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
-    if text:
-        return [[int(i) for i in bucket.split()] for bucket in str(text).split(",")]
-    return getattr(ddp, _FORCED, None)
+    return [[int(i) for i in bucket.split()] for bucket in str(text).split(",")] if text else None
+
+
+class ReadyOrder:
+    """The order in which ``ddp``'s gradients became ready in its last complete backward (parameter indices as
+    the reducer numbers them), recorded until DDP reports its own rebuilt layout.
+
+    Like DDP's rebuild, this assumes every iteration readies the gradients in the same order (a static graph);
+    a backward under ``no_sync`` is recorded too, since it runs the same graph."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+        parameters, _ = ddp._build_params_for_reducer()
+        self._count = len(parameters)
+        self._current: list[int] = []
+        self._seen: set[int] = set()
+        self.order: list[int] | None = None  # the last complete order
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+                         for index, p in enumerate(parameters)]
+
+    def _ready(self, index: int, _param: object) -> None:
+        if index in self._seen:  # a new backward (a micro-batch, or a step redone after a failure mid-backward)
+            self._current, self._seen = [], set()
+        self._current.append(index)
+        self._seen.add(index)
+        if len(self._current) == self._count:
+            self.order = list(self._current)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def close(self) -> None:
+        """DDP reports its rebuilt layout now: the hooks' work per backward is no longer needed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def predicted_layout(ddp: DistributedDataParallel, order: list[int]) -> Layout:
+    """The layout DDP's rebuild makes from a gradient-ready ``order``, computed as its reducer does."""
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    first_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else ddp.bucket_bytes_cap
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [parameters[i] for i in order], [first_cap, ddp.bucket_bytes_cap], [expect_sparse[i] for i in order], order)
+    return [list(bucket) for bucket in buckets]
+
+
+def next_layout(ddp: DistributedDataParallel, order: ReadyOrder | None, point: int) -> Layout | None:
+    """The layout the failure-free run uses at step ``point + 1``: DDP's rebuilt one, the one a recovery installed
+    (until the reducer rebuilds it again), the prediction from the recorded order from the first rebuilt step
+    on, else the initial layout (None).
+
+    A static graph recovered at point 0 gets None, right for step 1, but its rebound reducer counts step 1 as its
+    first iteration and would rebuild one step later than DDP does: the recovery rebinds it at step 2."""
+    layout = current_layout(ddp)
+    if (layout is None and point + 1 >= first_rebuilt_step(ddp) and order is not None and order.order is not None
+            and rebuilds(ddp)):
+        layout = predicted_layout(ddp, order.order)
+    return layout
 
 
 def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:

@@ -31,6 +31,8 @@ class WorkerEnv:
     heartbeat_interval: float
     faults: str
     recovery: str
+    # --exact-undo: undo restores a copy of parameters and optimizer state taken before each step
+    exact_undo: bool = False
     heartbeat_timeout: float = 30.0
     recovery_timeout: float = 120.0
     startup_timeout: float = 600.0
@@ -63,6 +65,7 @@ class WorkerEnv:
             heartbeat_interval=float(env.get("SWIFTRUN_HEARTBEAT_INTERVAL", "0.5") or 0.5),
             faults=env.get("SWIFTRUN_FAULTS", ""),
             recovery=env.get("SWIFTRUN_RECOVERY", "auto"),
+            exact_undo=env.get("SWIFTRUN_EXACT_UNDO") == "1",
             heartbeat_timeout=heartbeat,
             recovery_timeout=recovery,
             startup_timeout=startup,

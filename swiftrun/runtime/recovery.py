@@ -27,6 +27,7 @@ from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.runtime import collectives, faults, undo, verify
 from swiftrun.runtime import state as st
 from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
+from swiftrun.runtime import ddp as ddp_tools
 from swiftrun.runtime.ddp import rebind
 from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.buffers import BroadcastBuffers
@@ -35,7 +36,7 @@ from swiftrun.runtime.pp_handover import hand_over
 from swiftrun.runtime.pp_plan import PipePlan, plan_pipeline
 from swiftrun.runtime.process import ProcessRuntime, warn
 from swiftrun.runtime.registry import Registry, RegistrationError
-from swiftrun.runtime.txn import Transaction, rng_state, set_rng_state
+from swiftrun.runtime.txn import PreStepCopy, Transaction, rng_state, set_rng_state
 
 log = logging.getLogger("swiftrun.runtime")
 
@@ -92,8 +93,16 @@ class Recovery:
         self._stepped: dict[int, int] = {}  # registered optimizer index -> steps taken in this iteration
         self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
         self._checked_first_step = False
-        self._records: dict[int, dict[int, undo.StepRecord]] = {}  # step -> optimizer index -> record
+        # step -> optimizer index -> what undoes that step: an inverse's record, or (--exact-undo) a copy
+        self._records: dict[int, dict[int, undo.StepRecord | PreStepCopy]] = {}
+        self.exact_undo = rt.wenv.exact_undo
+        self._copies: dict[int, PreStepCopy] = {}  # optimizer index -> its pre-step copy (one slot, reused)
         self.buffers = BroadcastBuffers(self)
+        # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
+        self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.rebuilds(d) else None for d in self.reg.ddps]
+        # DDP index -> the step at whose start it is rebound again with its predicted layout (a static graph
+        # recovered at point 0, see _transfer)
+        self._rebind_at: dict[int, int] = {}
         self._install_hooks()
         collectives.install(self)
 
@@ -138,6 +147,15 @@ class Recovery:
         self._stepped.clear()
         self.link.step = step
         self.txn.begin(step)
+        for index, at in list(self._rebind_at.items()):
+            order = self._orders[index]
+            if step >= at and order is not None and order.order is not None:
+                # every rank recorded the same order in the step before (same graph): a local, identical rebind
+                rebind(order.ddp, ddp_tools.predicted_layout(order.ddp, order.order))
+                del self._rebind_at[index]
+        for order in self._orders:
+            if order is not None and order.active and ddp_tools.rebuilt_layout(order.ddp) is not None:
+                order.close()  # DDP reports its own layout now (from its third forward on)
         return True
 
     def complete_step(self, step: int) -> None:
@@ -428,7 +446,8 @@ class Recovery:
         own_rng = self.txn.rng_for(plan.point + 1)
         box: list[Any] = [None]
         if self.rank == plan.source:
-            box[0] = {"layouts": st.layouts_of(self.reg), "rng": own_rng or rng_state()}
+            layouts = [ddp_tools.next_layout(d, o, plan.point) for d, o in zip(self.reg.ddps, self._orders)]
+            box[0] = {"layouts": layouts, "rng": own_rng or rng_state()}
         dist.broadcast_object_list(box, src=plan.source, device=device if device.type == "cuda" else None)
         shared = box[0]
         if plan.targets:
@@ -439,14 +458,24 @@ class Recovery:
                     self.valid = False  # until the whole state arrived
                 st.transfer(self.reg, plan.source, self.rank, group, device, self.chunk_bytes,
                             on_chunk=self._transfer_fault if self.rank == plan.source else None)
-        for ddp, layout in zip(self.reg.ddps, shared["layouts"]):
+        self._rebind_at.clear()
+        for index, (ddp, layout) in enumerate(zip(self.reg.ddps, shared["layouts"])):
             rebind(ddp, layout)
-        if self.rank == plan.source and plan.point >= 0 and any(lay is None for lay in shared["layouts"]):
-            # DDP rebuilds its buckets from the gradient order it recorded in its first iteration, at the second
-            # forward; a reducer rebuilt by the recovery has recorded nothing, so this run keeps the initial
-            # buckets one iteration longer than a failure-free run would: sums round differently
-            warn("the failure came before DDP rebuilt its gradient buckets (during the first steps): the "
-                 "recovered run is not bitwise the failure-free one (about 1e-7 relative), replicas stay equal")
+            if layout is None and ddp.static_graph and 0 <= plan.point < ddp_tools.first_rebuilt_step(ddp) - 1:
+                # a static graph redoing step 1 runs the initial layout, as failure-free, but the rebound reducer
+                # counts step 1 as its first iteration and would rebuild one step late: rebind it at step 2 with
+                # the layout DDP rebuilds then (its order is recorded during step 1 on every rank)
+                self._rebind_at[index] = ddp_tools.first_rebuilt_step(ddp)
+        unknown = [lay is None and ddp_tools.rebuilds(d) and index not in self._rebind_at
+                   for index, (d, lay) in enumerate(zip(self.reg.ddps, shared["layouts"]))]
+        if self.rank == plan.source and plan.point >= 0 and any(unknown):
+            # DDP rebuilds its buckets from the gradient order of its first iterations; a reducer rebuilt by the
+            # recovery has recorded nothing. The runtime hands on the layout it predicts from its own record of the
+            # order (ddp.next_layout); without that record (not expected once a step completed) this run keeps
+            # the initial buckets longer than a failure-free run would: sums round differently
+            warn("the failure came before DDP rebuilt its gradient buckets and their layout is unknown: the "
+                 "recovered run is not bitwise the failure-free one (about 1e-7 relative with 3 ranks or more), "
+                 "replicas stay equal")
         set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
 
     def _transfer_fault(self, chunk: int) -> None:
@@ -503,7 +532,12 @@ class Recovery:
         def pre_hook(optimizer, args, kwargs):
             stepped = self._stepped.get(index, 0)
             self._stepped[index] = stepped + 1
-            if stepped:  # a second step of the same optimizer in one iteration: one record cannot undo both
+            if self.exact_undo:
+                if not stepped:  # the copy before the first step of the iteration also undoes a second one
+                    pre = self._copies.setdefault(index, PreStepCopy())
+                    pre.take(optimizer, self.step)
+                    self._records.setdefault(self.step, {})[index] = pre
+            elif stepped:  # a second step of the same optimizer in one iteration: one record cannot undo both
                 self._records.setdefault(self.step, {})[index] = undo.StepRecord(
                     id(optimizer), (), unavailable_reason="the optimizer stepped twice in one iteration")
             elif undo.invertible(optimizer)[0]:
@@ -527,13 +561,18 @@ class Recovery:
         if self.txn.snapshot(step) is None:
             return False
         # every record must be undoable before any is undone: a refusal half-way would leave a mixed state
-        return all(undo.undoable(self.reg.optimizers[index], record)[0] for index, record in records.items())
+        return all(record.step == step if isinstance(record, PreStepCopy)
+                   else undo.undoable(self.reg.optimizers[index], record)[0] for index, record in records.items())
 
     def _undo_last_update(self) -> None:
         step = self.position
         records = self._records.get(step, {})
         for index in sorted(records, reverse=True):
-            undo.undo_step(self.reg.optimizers[index], records[index])
+            record = records[index]
+            if isinstance(record, PreStepCopy):
+                record.restore(self.reg.optimizers[index])
+            else:
+                undo.undo_step(self.reg.optimizers[index], record)
         snap = self.txn.snapshot(step)
         assert snap is not None  # _undoable checked it
         self.txn.restore(snap)

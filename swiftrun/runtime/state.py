@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import torch
 
-from swiftrun.runtime import ddp as ddp_tools
 from swiftrun.runtime import transfer as streaming
 from swiftrun.runtime.destinations import own_tensors
 from swiftrun.runtime.registry import Registry
@@ -93,7 +92,3 @@ def _move_state_like_params(opt: torch.optim.Optimizer) -> None:
             for key, value in list(st.items()):
                 if isinstance(value, torch.Tensor) and key != "step" and value.device != p.device:
                     st[key] = value.to(p.device)
-
-
-def layouts_of(reg: Registry) -> list[ddp_tools.Layout | None]:
-    return [ddp_tools.current_layout(d) for d in reg.ddps]

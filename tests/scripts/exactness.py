@@ -39,6 +39,10 @@ def build(args) -> nn.Module:
     layers.append(nn.ReLU())
     if args.dropout:
         layers.append(nn.Dropout(0.2))
+    if args.wide:
+        # more than DDP's 1 MiB first-bucket cap: its rebuild splits the one initial bucket into two
+        layers += [nn.Linear(16, args.wide), nn.ReLU(), nn.Linear(args.wide, args.wide), nn.ReLU(),
+                   nn.Linear(args.wide, 16), nn.ReLU()]
     layers.append(nn.Linear(16, 1))
     model = nn.Sequential(*layers)
     model.register_buffer("forward_calls", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -59,6 +63,7 @@ def main() -> None:
     p.add_argument("--optimizer", choices=["adamw", "sgd", "adagrad"], default="adamw")
     p.add_argument("--register", choices=["ddp", "module", "compile"], default="ddp")
     p.add_argument("--static-graph", action="store_true")
+    p.add_argument("--wide", type=int, default=0, help="add a WIDE x WIDE layer (several rebuilt DDP buckets)")
     p.add_argument("--unused", action="store_true", help="a parameter without gradient (find_unused_parameters)")
     p.add_argument("--bucket-view", action="store_true")
     p.add_argument("--two-models", action="store_true", help="two DDP modules, two optimizers (GAN-shaped)")
