@@ -143,6 +143,18 @@ class Pipeline:
         me = pipe.index(self.rec.rank)
         return pipe[me - 1], pipe[(me + 1) % len(pipe)]
 
+    def validate(self) -> None:
+        """Every rank of a pipeline must agree on its shape before anything is logged: the same number of stages
+        and micro-batches, each stage run by exactly one rank. Checked once, on every rank, at registration."""
+        mine = {"rank": self.rec.rank, "pipe": self.pipe_ranks(), "stages": self.stage_indices,
+                "num_stages": self.stages[0].num_stages,
+                "microbatches": getattr(self.schedule, "_n_microbatches", None)}
+        rows: list[Any] = [None] * self.rec.world_size
+        dist.all_gather_object(rows, mine)
+        problem = pipeline_problem([r for r in rows if r["pipe"] == mine["pipe"]])
+        if problem:
+            raise RegistrationError(f"swiftrun.Run(pipeline=...): {problem}")
+
     def logging_plan(self) -> tuple | None:
         return None if self.groups is None else (self.groups, None if self.logged is None else sorted(self.logged))
 
@@ -429,6 +441,28 @@ def _mix(seed: int, step: int, stage: int, mb: int) -> int:
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
     return (x ^ (x >> 32)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def pipeline_problem(rows: list[dict]) -> str | None:
+    """What is inconsistent between the ranks of one pipeline (None: nothing): pure, for the unit tests."""
+    for key, what in (("num_stages", "numbers of stages"), ("microbatches", "micro-batch counts")):
+        values = {r["rank"]: r[key] for r in rows}
+        if len(set(values.values())) > 1:
+            listing = ", ".join(f"rank {k}: {v}" for k, v in sorted(values.items()))
+            return f"the ranks of one pipeline have different {what} ({listing})"
+    owners: dict[int, list[int]] = {}
+    for r in rows:
+        for stage in r["stages"]:
+            owners.setdefault(stage, []).append(r["rank"])
+    expected = set(range(rows[0]["num_stages"]))
+    doubled = {s: ranks for s, ranks in owners.items() if len(ranks) > 1}
+    if doubled:
+        s, ranks = sorted(doubled.items())[0]
+        return f"stage {s} is run by ranks {ranks} of the same pipeline"
+    missing = sorted(expected - set(owners))
+    if missing:
+        return f"no rank of the pipeline runs stage(s) {missing}"
+    return None
 
 
 def _generators(device: torch.device) -> list[torch.Generator]:

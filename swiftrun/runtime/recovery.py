@@ -120,6 +120,8 @@ class Recovery:
                     self.group.build(self.generation, self._connect_timeout())
                 if self.pipeline is not None:
                     self.pipeline.regroup()
+                    with collectives.internal():
+                        self.pipeline.validate()
                 for ddp in self.reg.ddps:
                     rebind(ddp, None)
                 return 0

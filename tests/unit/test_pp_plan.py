@@ -114,3 +114,15 @@ def test_interleaved_stages_replay_with_both_ring_neighbours():
 def test_nobody_valid_is_refused():
     with pytest.raises(RecoveryError):
         plan_pipeline([status(0, valid=False), status(1, valid=False)])
+
+
+def test_pipeline_shape_problems_are_named():
+    from swiftrun.runtime.pipeline import pipeline_problem
+
+    good = [{"rank": r, "stages": (r,), "num_stages": 4, "microbatches": 4} for r in range(4)]
+    assert pipeline_problem(good) is None
+    bad_mb = [dict(r, microbatches=8 if r["rank"] == 2 else 4) for r in good]
+    assert "different micro-batch counts" in pipeline_problem(bad_mb) and "rank 2: 8" in pipeline_problem(bad_mb)
+    doubled = [dict(r, stages=(1,) if r["rank"] == 2 else r["stages"]) for r in good]
+    assert "stage 1 is run by ranks [1, 2]" in pipeline_problem(doubled)
+    assert "different numbers of stages" in pipeline_problem([dict(good[0], num_stages=3)] + good[1:])
