@@ -147,7 +147,7 @@ class Pipeline:
         """Every rank of a pipeline must agree on its shape before anything is logged: the same number of stages
         and micro-batches, each stage run by exactly one rank. Checked once, on every rank, at registration."""
         mine = {"rank": self.rec.rank, "pipe": self.pipe_ranks(), "stages": self.stage_indices,
-                "num_stages": self.stages[0].num_stages,
+                "num_stages": self.num_stages,
                 "microbatches": getattr(self.schedule, "_n_microbatches", None)}
         rows: list[Any] = [None] * self.rec.world_size
         dist.all_gather_object(rows, mine)

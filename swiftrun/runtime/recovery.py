@@ -359,7 +359,7 @@ class Recovery:
         t = time.monotonic()
         device = self.group.device()
         own_rng = self.txn.rng_for(plan.point + 1)
-        layouts = st.layouts_of(self.reg)
+        layouts = [ddp_tools.next_layout(d, o, plan.point) for d, o in zip(self.reg.ddps, self._orders)]
         for source, targets in plan.copies:  # every rank creates every group, in the same order
             members = sorted({source, *targets})
             group = self.group.new_group(members)
