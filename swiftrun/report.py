@@ -43,6 +43,7 @@ class Recovery:
     source_rank: int | None = None
     total: float | None = None  # seconds from failure to resume, as the supervisor measured it
     lost_steps: int | None = None
+    replays: list[str] = field(default_factory=list)  # pipelines: "ranks 2, 3 replayed steps 4..5"
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class JobSummary:
     failures: list[Failure] = field(default_factory=list)
     recoveries: list[Recovery] = field(default_factory=list)
     restarts: list[Restart] = field(default_factory=list)
+    log_plan: str | None = None  # pipelines: the logging groups chosen under --log-budget
     time_lost: float = 0.0
     finished: bool = False
 
@@ -109,6 +111,14 @@ def summarize(events: Iterable[dict[str, Any]]) -> JobSummary:
             recovery.source_rank = event.get("source_rank")
             recovery.total = None if event.get("total") is None else float(event["total"])
             recovery.lost_steps = event.get("lost_steps")
+        elif name == EventName.REPLAY:
+            recovery = _recovery_for(recoveries, event, t)
+            ranks = ", ".join(str(r) for r in event.get("ranks", [event.get("rank")]))
+            text = f"rank(s) {ranks} replayed steps {event.get('first')}..{event.get('last')}"
+            if text not in recovery.replays:
+                recovery.replays.append(text)
+        elif name == EventName.LOG_PLAN:
+            summary.log_plan = str(event.get("message", ""))
         elif name == EventName.RESTART:
             restart_events.append(event)
         elif name == EventName.JOB_END:
@@ -203,6 +213,8 @@ def format_summary(summary: JobSummary, source: Path) -> list[str]:
     for recovery in summary.recoveries:
         lines.extend(_recovery_lines(recovery))
 
+    if summary.log_plan:
+        lines.append(f"logging:    {summary.log_plan}")
     lines.append(f"restarts:   {len(summary.restarts)}")
     for restart in summary.restarts:
         attempt = "" if restart.attempt is None else f" attempt {restart.attempt}"
@@ -232,7 +244,8 @@ def _recovery_lines(recovery: Recovery) -> list[str]:
     order: list[str] = [phase.value for phase in RecoveryPhase if phase.value in recovery.phases]
     order += [name for name in recovery.phases if name not in order]
     phases = "  ".join(f"{name} {recovery.phases[name] * 1000:.0f}" for name in order)
-    return [head, f"    phases (ms): {phases or 'none recorded'}"]
+    replays = [f"    replay: {text}" for text in recovery.replays]
+    return [head, f"    phases (ms): {phases or 'none recorded'}", *replays]
 
 
 # --- plot -------------------------------------------------------------------------------------------------------

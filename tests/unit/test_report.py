@@ -174,3 +174,22 @@ def test_failure_during_recovery_continues_the_same_recovery(tmp_path: Path) -> 
     assert (recovery.generation, recovery.t_start, recovery.failed_ranks) == (3, 10.0, (1, 2))
     assert recovery.cause == "rank 1 crashed; then rank 2 crashed"
     assert summary.time_lost == pytest.approx(3.0)
+
+
+def test_a_pipeline_replay_and_logging_plan_are_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.jsonl"
+    lines = [
+        {"t": 0.0, "event": "job_start", "script": "train_pp.py", "world_size": 4},
+        {"t": 5.0, "event": "log_plan", "message": "selective logging under 10.0 KiB: groups [0,1] [2,3]"},
+        {"t": 10.0, "event": "recovery_start", "generation": 1, "failed_ranks": [2], "cause": "rank 2 killed"},
+        {"t": 11.0, "event": "replay", "generation": 1, "rank": 2, "ranks": [2, 3], "first": 4, "last": 5},
+        {"t": 11.0, "event": "replay", "generation": 1, "rank": 3, "ranks": [2, 3], "first": 4, "last": 5},
+        {"t": 11.5, "event": "recovery_end", "generation": 1, "outcome": "recovered", "mode": "replay",
+         "total": 1.5},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    summary = summarize(read_events(path))
+    assert summary.recoveries[0].replays == ["rank(s) 2, 3 replayed steps 4..5"]
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "replay: rank(s) 2, 3 replayed steps 4..5" in out and "groups [0,1] [2,3]" in out
