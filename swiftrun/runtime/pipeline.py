@@ -475,14 +475,27 @@ def _generators(device: torch.device) -> list[torch.Generator]:
     return generators
 
 
+_copy_streams: dict[int, Any] = {}  # GPU index -> the side stream log copies run on
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of a sent tensor. On a GPU it is off the critical path: a pinned buffer (torch's caching host
+    allocator reuses them) filled by an asynchronous copy on a side stream that waits only for the tensor's
+    producer, so the compute stream never waits for it; ``record_stream`` keeps the tensor's memory alive until
+    the copy is done. Readers synchronise first (pp_handover, pp_log)."""
     t = tensor.detach()
-    if t.is_cuda:
-        # off the critical path: a pinned host buffer filled by an asynchronous copy
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    if not t.is_cuda:
+        return t.clone()
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    side = _copy_streams.get(index)
+    if side is None:
+        side = _copy_streams[index] = torch.cuda.Stream(device=t.device)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    side.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(side):
         out.copy_(t, non_blocking=True)
-        return out
-    return t.clone()
+    t.record_stream(side)
+    return out
 
 
 def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
