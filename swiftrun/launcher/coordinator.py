@@ -81,6 +81,7 @@ class Coordinator:
                               "control_port=N picks another)") from None
         self._fd_identity: dict[int, bytes] = {}
         self._last_progress: tuple[float, Any] = (0.0, None)
+        self._job_due = 0.0  # when Job.tick is next due (its next_deadline at the last tick)
         self.event_log.write(EventName.JOB_START, world_size=config.world_size, nnodes=config.nnodes[0],
                              script=config.entrypoint.target, pid=os.getpid(), coordinator=True)
 
@@ -112,7 +113,7 @@ class Coordinator:
     def _next_deadline(self, now: float) -> float:
         candidates = [now + self.config.timeouts.heartbeat_interval, self.nodes.next_deadline(now)]
         if self.job is not None:
-            candidates.append(self.job.next_deadline(now))
+            candidates.append(self._job_due)
         if self.finish_deadline is not None:
             candidates.append(self.finish_deadline)
         return max(now, min(candidates))
@@ -126,9 +127,12 @@ class Coordinator:
             self._note(f"node slot(s) {missing} did not join within {self.config.timeouts.join_timeout:g}s "
                        "(--rdzv-conf join_timeout)")
             self._finish(1, now)
-        if self.job is not None:
+        if self.job is not None and now >= self._job_due:
+            # Job.tick walks every slot of the world: run it when its own next_deadline says it may have work
+            # (at most every heartbeat interval), not after every message, which at 10,000 ranks is the cost
             stopped = frozenset().union(*self.stopped.values()) if self.stopped else frozenset()
             self._execute(self.job.tick(now, stopped), now)
+            self._job_due = self.job.next_deadline(now)
 
     # ------------------------------------------------------------------ messages
 
@@ -209,16 +213,21 @@ class Coordinator:
     def _on_beat(self, node: Node, body: dict[str, Any], now: float) -> None:
         if self.job is None or node.slot is None:
             return
-        mine = {sid for sid, s in self.job.slots.items() if s.node == node.slot}
+        slots = self.job.slots
+
+        def mine(key: Any) -> bool:  # one of this node's processes (looked up per key: a BEAT costs O(P))
+            slot = slots.get(int(key))
+            return slot is not None and slot.node == node.slot
+
         for key, step in dict(body.get("seen") or {}).items():
-            if int(key) in mine:
+            if mine(key):
                 self.job.on_alive(int(key), now, step if isinstance(step, int) else None)
         for key, status in dict(body.get("status") or {}).items():
-            if int(key) in mine and isinstance(status, list) and len(status) == 4:
+            if mine(key) and isinstance(status, list) and len(status) == 4:
                 self._execute(self.job.on_status(int(key), now, *status), now)
-                if self.job.slots[int(key)].rank == 0:
+                if slots[int(key)].rank == 0:
                     self._progress(now, status)
-        self.stopped[node.slot] = frozenset(int(s) for s in body.get("stopped") or () if int(s) in mine)
+        self.stopped[node.slot] = frozenset(int(s) for s in body.get("stopped") or () if mine(s))
 
     def _on_report(self, node: Node, body: dict[str, Any], now: float) -> None:
         if self.job is None or node.slot is None:

@@ -883,10 +883,14 @@ class Job:
             return []
         actions: list[Action] = []
         nodes = range(self.config.nnodes[0]) if self.config.multinode else range(1)
+        spares_on: dict[int, int] = {}  # counted in one pass: per node it would cost nodes x slots (1,250 x 11,250)
+        for s in self.slots.values():
+            if s.rank is None and s.alive:
+                spares_on[s.node] = spares_on.get(s.node, 0) + 1
         for node in nodes:
             if node in self.vacant_nodes:
                 continue
-            have = sum(1 for s in self.slots.values() if s.rank is None and s.node == node and s.alive)
+            have = spares_on.get(node, 0)
             for _ in range(self.config.spares - have):
                 slot = self._new_slot(None, 0, now, node)
                 actions.append(Spawn(slot.slot_id, None, 0, self.generation, self.attempt, False, node))
