@@ -58,7 +58,7 @@ def test_worker_env_matches_torchruns_multinode_run(tmp_path, marker):
 
 @pytest.mark.integration
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("nnodes", [2, 3])
+@pytest.mark.parametrize("nnodes", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_failure_free_run_is_bitwise_torchruns(tmp_path, marker, nnodes):
     results = {}
     for launcher in ("torchrun", "swiftrun"):

@@ -26,11 +26,11 @@ pytestmark = pytest.mark.integration
 # world, optimizer, failing rank, phase, kind
 CI_MATRIX = [
     (2, "sgd", 1, "forward", "sigkill"),
-    (2, "adamw", 0, "allreduce", "exception"),
+    pytest.param(2, "adamw", 0, "allreduce", "exception", marks=pytest.mark.extended),
     (4, "momentum", 0, "step", "sigkill"),
-    (4, "adam", 3, "after-step", "exit"),
+    pytest.param(4, "adam", 3, "after-step", "exit", marks=pytest.mark.extended),
     (4, "nesterov", 2, "backward", "sigstop"),
-    (2, "adam", 1, "step", "segfault"),
+    pytest.param(2, "adam", 1, "step", "segfault", marks=pytest.mark.extended),
 ]
 FULL_MATRIX = list(itertools.product(
     (2, 4), ("sgd", "momentum", "nesterov", "adam", "adamw"), (0, 1),

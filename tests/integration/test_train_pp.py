@@ -78,7 +78,7 @@ def pp_runs(tmp_path_factory):
             elif kind.startswith("torchrun"):
                 cmd = torchrun(int(kind.removeprefix("torchrun")), *args)
             else:
-                cmd = swiftrun_cmd("--nproc-per-node", kind.removeprefix("swiftrun"), "--no-dashboard",
+                cmd = swiftrun_cmd("--nproc-per-node", kind.removeprefix("swiftrun"), "--no-dashboard", "--spares", "0",
                                    str(TRAIN_PP), *args)
             launch(cmd, tag)
             wait_until(lambda: not processes_with_marker(tag), timeout=10, what="the run's processes to exit")
@@ -114,6 +114,7 @@ def test_two_by_two_data_parallel(pp_runs):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.extended
 def test_two_runs_are_bitwise_equal(pp_runs, tmp_path, marker):
     first = pp_runs("torchrun4", "--schedule", "1f1b")
     again = tmp_path / "save"
