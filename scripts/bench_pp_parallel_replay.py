@@ -50,6 +50,7 @@ def launch(save: Path, args: argparse.Namespace, steps: int, *extra: str) -> flo
            "--batch", str(args.batch), "--microbatches", str(args.microbatches), "--schedule", args.schedule,
            "--ckpt-every", str(args.ckpt_every)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.setdefault("OMP_NUM_THREADS", "1")  # every rank, the replacement included, one intra-op thread
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -82,7 +83,8 @@ def main() -> None:
     caps = [int(c) for c in args.caps.split(",")]
     fail_step = args.ckpt_every + args.replayed - 1
     steps = fail_step + 2
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
           f"hidden {args.hidden}, batch {args.batch}, {args.microbatches} micro-batches, {args.schedule}, "
           f"rank {args.fail_rank} killed in step {fail_step}: {args.replayed} steps replayed")
     results: dict[int, list[float]] = {c: [] for c in caps}

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime import collectives
+from swiftrun.runtime import collectives, faults
 from swiftrun.runtime.pp_handover import from_bytes, to_bytes
 
 if TYPE_CHECKING:
@@ -326,6 +326,7 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
             work = _recv(chain[0], device)
             if work is None:
                 return steps
+            faults.fire("help", work["step"])
             started = time.perf_counter()
             module.load_state_dict(work["state"])
             per_mb: list[list[torch.Tensor | None]] = []

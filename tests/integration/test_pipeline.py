@@ -103,6 +103,21 @@ def test_parallel_replay_cap(tmp_path, reference, cap, helpers):
     assert_same(tmp_path, ref)
 
 
+@pytest.mark.timeout(300)
+def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
+    """Rank 2 is lost; rank 0 dies while helping replay step 5. The survivors blocked in the fold are released by
+    the abort, stages 0 and 2 are each replayed (two replay sets: alone), and the run ends bitwise equal."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--fault", "2:6:forward:sigkill", "--fault", "0:5:help:sigkill"), marker="pp-help",
+               timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert ended and ended[-1]["outcome"] == "recovered", ended
+    replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
+    assert {(0,), (2,)} <= replays, replays
+    assert_same(tmp_path, ref)
+
+
 @pytest.mark.timeout(240)
 def test_two_adjacent_stages_lost_is_refused_loudly(tmp_path):
     """Stages 1 and 2 die together: stage 1's gradients were logged only by stage 2. No silent replay: the job
