@@ -96,12 +96,68 @@ def _tags(device: torch.device, tag: int) -> dict:
     return {} if device.type == "cuda" else {"tag": tag}
 
 
+class _Slot:
+    """Where a tensor sent after a message's header goes back (tensors travel raw, not pickled)."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+    def __getstate__(self) -> tuple:
+        return self.index, self.shape, self.dtype
+
+    def __setstate__(self, state: tuple) -> None:
+        self.index, self.shape, self.dtype = state
+
+
+def _lift(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a slot; the tensors (contiguous, detached) appended in order."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().contiguous())
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_lift(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _lift(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _slots(value: Any, out: list[_Slot]) -> list[_Slot]:
+    if isinstance(value, _Slot):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _slots(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _slots(v, out)
+    return out
+
+
+def _drop(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_drop(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _drop(v, tensors) for k, v in value.items()}
+    return value
+
+
 def _send(obj: Any, to: int, device: torch.device) -> list:
-    """Start sending ``obj``; returns the works to wait for."""
-    data = to_bytes(obj).to(device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    return [dist.isend(size, to, **_tags(device, _TAG_SIZE)), dist.isend(data, to, **_tags(device, _TAG_DATA)),
-            data, size]
+    """Start sending ``obj``: a small pickled header, then its tensors as they are (no serialisation, no copy on
+    the host). Returns what to wait for (and to keep alive until then)."""
+    tensors: list[torch.Tensor] = []
+    header = to_bytes(_lift(obj, tensors)).to(device)
+    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
+    pending: list = [header, size, dist.isend(size, to, **_tags(device, _TAG_SIZE)),
+                     dist.isend(header, to, **_tags(device, _TAG_DATA))]
+    for t in tensors:
+        if t.numel():
+            t = t.to(device)
+            pending += [t, dist.isend(t, to, **_tags(device, _TAG_DATA))]
+    return pending
 
 
 def _wait(pending: list) -> None:
@@ -113,9 +169,16 @@ def _wait(pending: list) -> None:
 def _recv(frm: int, device: torch.device) -> Any:
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, frm, **_tags(device, _TAG_SIZE))
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(data, frm, **_tags(device, _TAG_DATA))
-    return from_bytes(data)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(header, frm, **_tags(device, _TAG_DATA))
+    lifted = from_bytes(header)
+    tensors: dict[int, torch.Tensor] = {}
+    for slot in sorted(_slots(lifted, []), key=lambda s: s.index):
+        t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        if t.numel():
+            dist.recv(t, frm, **_tags(device, _TAG_DATA))
+        tensors[slot.index] = t
+    return _drop(lifted, tensors)
 
 
 def _cpu(value: Any) -> Any:
