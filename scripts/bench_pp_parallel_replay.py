@@ -2,12 +2,13 @@
 """Replay time of a lost pipeline stage, alone and with idle survivors helping (``--parallel-replay``).
 
 tests/scripts/pipeline.py with heavy stages (``--hidden``, ``--batch``) so the replay dominates: 4 stages, a stage
-checkpoint every K steps, the chosen rank SIGKILLed (swiftrun's ``--fault``) in the forward of step K + R - 1, so
-its replacement replays R steps. For each helper cap (0 = alone) the "replay" phase the replacement measured is
-read from the event log, and the ranks' final files are compared with a failure-free run (bitwise). Caps are
-interleaved per repetition.
+checkpoint every K steps, the chosen rank SIGKILLed (swiftrun's ``--fault``) in the forward of step K + R, so
+its replacement replays steps K .. K + R - 1 (R < K). For each helper cap (0 = alone) the "replay" phase the
+replacement measured is read from the event log, and the ranks' final files are compared with a failure-free
+run (bitwise). Caps are interleaved per repetition; the CPU other processes used during each run is printed
+(the machine may be shared).
 
-    python scripts/bench_pp_parallel_replay.py                       # hidden 1024, 8 replayed steps, caps 0,1,3
+    python scripts/bench_pp_parallel_replay.py                       # hidden 1024, 6 replayed steps, caps 0,1,3
     python scripts/bench_pp_parallel_replay.py --quick               # smoke test
 """
 
@@ -24,17 +25,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchlib as B  # noqa: E402
 SCRIPT = REPO / "tests" / "scripts" / "pipeline.py"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--replayed", type=int, default=8, help="steps the replacement replays")
+    p.add_argument("--replayed", type=int, default=6, help="steps the replacement replays (< --ckpt-every)")
     p.add_argument("--fail-rank", type=int, default=2)
     p.add_argument("--caps", default="0,1,3")
     p.add_argument("--reps", type=int, default=3)
@@ -44,6 +47,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def launch(save: Path, args: argparse.Namespace, steps: int, *extra: str) -> float:
+    """Runs the job; returns the CPU other processes used meanwhile, in cores (the machine may be shared)."""
     cmd = [sys.executable, "-m", "swiftrun", "--nproc-per-node", "4", "--heartbeat-interval", "0.2",
            "--heartbeat-timeout", "30", "--no-dashboard", "--event-log", str(save / "events.jsonl"), *extra,
            str(SCRIPT), "--steps", str(steps), "--save-dir", str(save), "--hidden", str(args.hidden),
@@ -51,11 +55,12 @@ def launch(save: Path, args: argparse.Namespace, steps: int, *extra: str) -> flo
            "--ckpt-every", str(args.ckpt_every)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank, the replacement included, one intra-op thread
-    started = time.monotonic()
+    started, busy, ours = time.monotonic(), B.cpu_busy_seconds(), B.children_cpu_seconds() + B.self_cpu_seconds()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return time.monotonic() - started
+    mine = B.children_cpu_seconds() + B.self_cpu_seconds() - ours
+    return max(0.0, B.cpu_busy_seconds() - busy - mine) / (time.monotonic() - started)
 
 
 def replay_seconds(save: Path) -> tuple[float, list[int]]:
@@ -79,9 +84,11 @@ def same(a: Path, b: Path) -> bool:
 def main() -> None:
     args = parse_args()
     if args.quick:
-        args.hidden, args.batch, args.replayed, args.reps, args.ckpt_every = 256, 64, 3, 1, 4
+        args.hidden, args.batch, args.replayed, args.reps, args.ckpt_every = 256, 64, 3, 1, 5
     caps = [int(c) for c in args.caps.split(",")]
-    fail_step = args.ckpt_every + args.replayed - 1
+    if not 1 <= args.replayed < args.ckpt_every:
+        raise SystemExit("--replayed must be below --ckpt-every (the replay starts at the last checkpoint)")
+    fail_step = args.ckpt_every + args.replayed  # killed in its forward: the point is the step before
     steps = fail_step + 2
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; "
@@ -96,13 +103,13 @@ def main() -> None:
             for cap in caps if rep % 2 == 0 else list(reversed(caps)):
                 save = Path(tmp) / f"c{cap}r{rep}"
                 save.mkdir()
-                launch(save, args, steps, "--parallel-replay", str(cap), "--fault",
-                       f"{args.fail_rank}:{fail_step}:forward:sigkill")
+                other = launch(save, args, steps, "--parallel-replay", str(cap), "--fault",
+                               f"{args.fail_rank}:{fail_step}:forward:sigkill")
                 seconds, helpers = replay_seconds(save)
                 exact = same(save, ref)
                 results[cap].append(seconds)
-                print(f"  rep {rep} cap {cap}: helpers {helpers}, replay {seconds:.3f} s, bitwise {exact}",
-                      flush=True)
+                print(f"  rep {rep} cap {cap}: helpers {helpers}, replay {seconds:.3f} s, bitwise {exact}, "
+                      f"other processes' CPU {other:.2f} cores", flush=True)
                 if not exact:
                     raise SystemExit("a recovered run differs from the failure-free run")
     base = statistics.median(results[caps[0]])
