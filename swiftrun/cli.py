@@ -574,6 +574,12 @@ def launch(
              help="Pipelines: host memory a rank's boundary logs may use; older entries spill to local disk "
                   "(default 4GiB)."),
     ] = None,
+    parallel_replay: Annotated[
+        int | None,
+        _own("--parallel-replay", panel=SWIFT, metavar="N",
+             help="Pipelines: at most N idle survivors help replay a lost stage, each taking a contiguous range of "
+                  "its micro-batches (bitwise the same result; default: every idle survivor; 0: replay alone)."),
+    ] = None,
     stage_ckpt_dir: Annotated[
         Path | None,
         _own("--stage-ckpt-dir", panel=SWIFT, metavar="DIR",
@@ -748,6 +754,7 @@ def launch(
             log_budget=_size(log_budget, "--log-budget"),
             log_memory=_size(log_memory, "--log-memory"),
             stage_ckpt_dir=stage_ckpt_dir,
+            parallel_replay=parallel_replay,
             spares=spares,
             dashboard=dashboard,
             event_log=event_log,

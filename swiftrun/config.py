@@ -54,7 +54,7 @@ class FaultSpec:
     """A fault the runtime injects into one rank (tests and demos only).
 
     ``phase`` is one of forward, backward, allreduce, step, scheduler, after-step, collective, save, recover,
-    transfer, import (see swiftrun/runtime/faults.py for where each fires);
+    transfer, help, import (see swiftrun/runtime/faults.py for where each fires);
     ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil.
     ``every_incarnation`` makes replacements of that rank fail the same way (a deterministic crash).
     """
@@ -66,7 +66,7 @@ class FaultSpec:
     every_incarnation: bool = False
 
     PHASES = ("forward", "backward", "allreduce", "step", "scheduler", "after-step", "collective", "save",
-              "recover", "transfer", "import")
+              "recover", "transfer", "help", "import")
     KINDS = ("sigkill", "exception", "exit", "sigstop", "segfault", "hang-gil")
 
     def __post_init__(self) -> None:
@@ -183,6 +183,7 @@ class LaunchConfig:
     log_budget: int | None = None  # pipelines: bytes of boundary logs allowed (None: log every boundary)
     stage_ckpt_dir: Path | None = None  # pipelines: also write stage checkpoints here (survives adjacent losses)
     log_memory: int | None = None  # pipelines: bytes of logs kept in host memory per rank, the rest spilled to disk
+    parallel_replay: int | None = None  # pipelines: most idle survivors helping a replay (None: all; 0: off)
     spares: int = 1
     dashboard: bool | None = None  # None: on when stdout is a terminal
     event_log: Path | None = None
@@ -215,6 +216,8 @@ class LaunchConfig:
             raise ConfigError("--log-budget must be >= 0")
         if self.log_memory is not None and self.log_memory < 0:
             raise ConfigError("--log-memory must be >= 0")
+        if self.parallel_replay is not None and self.parallel_replay < 0:
+            raise ConfigError("--parallel-replay must be >= 0 (0: replay alone)")
         if self.verify_every < 0 or self.transfer_chunk_mb < 0:
             raise ConfigError("--verify-every and --transfer-chunk-mb must be >= 0 (0: off / the default)")
         if self.monitor_interval <= 0:

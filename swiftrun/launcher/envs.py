@@ -126,6 +126,8 @@ def runtime_env(
         env[LOG_BUDGET] = str(config.log_budget)
     if config.log_memory is not None:
         env["SWIFTRUN_LOG_MEMORY"] = str(config.log_memory)
+    if config.parallel_replay is not None:
+        env["SWIFTRUN_PARALLEL_REPLAY"] = str(config.parallel_replay)
     if config.stage_ckpt_dir is not None:
         env[STAGE_CKPT_DIR] = str(config.stage_ckpt_dir.resolve())
     return env

@@ -731,7 +731,8 @@ class Job:
                                 "logs of the neighbouring stages"))
         if step == first:
             actions.append(Record(EventName.REPLAY, {"generation": gen, "rank": slot.rank, "ranks": ranks,
-                                                     "first": first, "last": last}))
+                                                     "first": first, "last": last,
+                                                     "helpers": [int(r) for r in data.get("helpers", [])]}))
         return actions
 
     def _worker_phases(self, now: float) -> list[Action]:

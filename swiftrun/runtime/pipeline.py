@@ -100,6 +100,7 @@ class Pipeline:
         self.held: tuple[int, int, torch.Tensor] | None = None  # (for rank, step, serialised checkpoint)
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
+        self.parallel: Any = None  # runtime/pp_parallel.Leader while helpers replay with this rank
         self.volume: dict[tuple[int, int], int] = {}  # (from, to) stage -> bytes logged in the last full step
         self._volume_now: dict[tuple[int, int], int] = {}
         # selective logging (runtime/pp_logplan.py): the boundaries logged (None: all) and the logging groups,
@@ -390,10 +391,19 @@ class Pipeline:
 
     def end_replay(self) -> float:
         assert self.replay is not None
+        if self.parallel is not None:
+            self.parallel.close()  # the helpers go back to waiting for RESUME
+            self.parallel = None
         took = time.monotonic() - self.replay["started"]
         self.replay = None
         self.force_checkpoint = True
         return took
+
+    def drop_parallel(self) -> None:
+        """A replay interrupted by a newer failure: the schedule runs its own micro-batches again."""
+        if self.parallel is not None:
+            self.parallel.detach()
+            self.parallel = None
 
     def reset_schedule(self) -> None:
         """After an aborted iteration: forget the schedule's half-finished state, and make sure every stage counts

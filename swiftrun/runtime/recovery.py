@@ -33,6 +33,7 @@ from swiftrun.runtime.group import GroupManager
 from swiftrun.runtime.buffers import BroadcastBuffers
 from swiftrun.runtime.pipeline import Pipeline
 from swiftrun.runtime.pp_handover import hand_over
+from swiftrun.runtime import pp_parallel
 from swiftrun.runtime.pp_plan import PipePlan, plan_pipeline
 from swiftrun.runtime.process import ProcessRuntime, warn
 from swiftrun.runtime.registry import Registry, RegistrationError
@@ -233,6 +234,7 @@ class Recovery:
         self.aborted_iteration = True
         if self.pipeline is not None and self.pipeline.replay is not None:
             self.pipeline.replay = None  # a replay interrupted by a newer failure: this state is not valid yet
+            self.pipeline.drop_parallel()
             self.valid = False
         while True:
             gen = self.link.generation
@@ -388,7 +390,27 @@ class Recovery:
             if own_rng is not None:
                 set_rng_state(own_rng)
         self.verify_next = False  # stages are not replicas: their states are not compared
+        self._parallel_replay(plan, phases)
         return plan
+
+    def _parallel_replay(self, plan: PipePlan, phases: dict[str, float]) -> None:
+        """Idle survivors help a rank that replays alone (runtime/pp_parallel.py): it offers them its stage; a
+        helper that takes it computes its share of every replayed step before it reports RECOVERED."""
+        pp = self.pipeline
+        assert pp is not None
+        helpers = pp_parallel.helpers_of(plan, self.world_size)
+        if not helpers:
+            return
+        leader = plan.replays[0].ranks[0]
+        if self.rank == leader:
+            pp.parallel = pp_parallel.offer(pp, helpers)
+        elif self.rank in helpers:
+            t = time.monotonic()
+            setup = pp_parallel.receive_offer(leader, self.group.device())
+            if setup is not None:
+                steps = pp_parallel.help_replay(self.rank, setup, self.group.device())
+                log.debug("helped rank %d replay %d step(s)", leader, steps)
+            phases["help"] = time.monotonic() - t
 
     def _pipeline_step_start(self, step: int) -> bool:
         """A pipeline's step start: end a finished replay, then checkpoint when due. False: recover first."""
@@ -400,7 +422,8 @@ class Recovery:
                     return False
             else:
                 self.link.send_event(EventKind.REPLAYING, gen=self.generation, step=step,
-                                     first=pp.replay["start"], last=pp.replay["until"], ranks=pp.replay["ranks"])
+                                     first=pp.replay["start"], last=pp.replay["until"], ranks=pp.replay["ranks"],
+                                     helpers=pp.parallel.helpers if pp.parallel is not None else [])
         try:
             with collectives.internal():
                 pp.begin_step(step)

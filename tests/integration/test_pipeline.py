@@ -1,7 +1,8 @@
-"""Pipeline recovery end to end: 4 stages (tests/scripts/pipeline.py), one rank killed, replayed alone.
+"""Pipeline recovery end to end: 4 stages (tests/scripts/pipeline.py), one rank killed, replayed.
 
 A lost stage has no replica: its replacement loads the stage checkpoint its pipeline successor holds in memory
-and replays the steps since, its receives served from its neighbours' logs. The recovered run must end bitwise
+and replays the steps since, its receives served from its neighbours' logs; the idle survivors help it, each
+computing a contiguous range of every step's micro-batches (runtime/pp_parallel.py). The recovered run must end bitwise
 equal to the failure-free run on every rank, and the survivors must keep their processes.
 """
 
@@ -84,8 +85,38 @@ def test_lost_stage_is_replayed_bitwise(tmp_path, reference, fault, script):
     lost = int(fault.split(":")[0])
     ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
     assert [r["outcome"] for r in ended] == ["recovered"] and ended[0]["mode"] == "replay", ended
-    assert any(r["event"] == "replay" and r["rank"] == lost for r in records(tmp_path))
+    (replay,) = [r for r in records(tmp_path) if r["event"] == "replay" and r["rank"] == lost]
+    assert replay["helpers"] == [r for r in range(WORLD) if r != lost], replay  # every idle survivor helps
     assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, lost).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cap, helpers", [("0", []), ("1", [0])])
+def test_parallel_replay_cap(tmp_path, reference, cap, helpers):
+    """--parallel-replay 0 replays alone; 1 takes one helper (two ranges of two micro-batches, folded over a
+    chain of two): both bitwise equal to the failure-free run."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--parallel-replay", cap, "--fault", "2:6:forward:sigkill"), marker="pp-cap",
+               timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (replay,) = [r for r in records(tmp_path) if r["event"] == "replay"]
+    assert replay["helpers"] == helpers, replay
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(300)
+def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
+    """Rank 2 is lost; rank 0 dies while helping replay step 5. The survivors blocked in the fold are released by
+    the abort, stages 0 and 2 are each replayed (two replay sets: alone), and the run ends bitwise equal."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--fault", "2:6:forward:sigkill", "--fault", "0:5:help:sigkill"), marker="pp-help",
+               timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert ended and ended[-1]["outcome"] == "recovered", ended
+    replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
+    assert {(0,), (2,)} <= replays, replays
     assert_same(tmp_path, ref)
 
 

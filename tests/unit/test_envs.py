@@ -209,3 +209,10 @@ def test_the_runtime_reads_the_launchers_deadlines_and_derives_its_waits_from_th
     assert w.connect_wait == 30
     env["SWIFTRUN_DETECT_TIMEOUT"], env["SWIFTRUN_CONNECT_TIMEOUT"] = "5", "7"  # the old knobs still win
     assert (WorkerEnv.read().detect_wait, WorkerEnv.read().connect_wait) == (5, 7)
+
+
+@pytest.mark.parametrize("cap, expected", [(None, None), (0, "0"), (2, "2")])
+def test_parallel_replay_cap_reaches_the_workers(cap, expected):
+    env = envs.worker_environ(config(nproc_per_node=2, parallel_replay=cap), ENDS, 1, attempt=0, incarnation=0,
+                              generation=0, joining=False)
+    assert env.get("SWIFTRUN_PARALLEL_REPLAY") == expected

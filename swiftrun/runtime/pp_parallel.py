@@ -1,0 +1,426 @@
+"""Parallel replay: idle survivors help the replacement of a lost pipeline stage replay its steps.
+
+A lost stage is replayed from its checkpoint by its replacement while every other survivor waits for RESUME. With
+helpers, each replayed step's micro-batches are split into contiguous ranges: the replacement computes the first,
+helper k the k-th, all at once. Gradients are then *folded in micro-batch order* along a chain: the replacement
+sends the gradient it accumulated over its range to helper 1, which adds its micro-batches' gradients to it one by
+one, in order, and passes it on; the last helper sends the total back. Each addition is the one autograd would
+have made (``grad += new``, in the same order), so the result is bitwise the replacement's own (summing per-helper
+partial sums is not: ../shared/design/PIPELINE.md, fact 5). The replacement then runs the schedule's gradient
+scaling and the script's optimizer step as usual, and sends the new parameters with the next step's work.
+
+Who helps: the valid ranks that neither replay nor receive a replica's copy, when the plan has one replay set of
+one rank (the same list on every rank, from the plan). ``SWIFTRUN_PARALLEL_REPLAY`` (``--parallel-replay N``)
+caps their number; 0 turns parallel replay off. Right after the hand-over the replacement sends every candidate
+an offer: the stage module and loss function (pickled: the helpers run the same script, so the classes resolve),
+or ``None`` when its stage cannot be split (not a GPipe or 1F1B schedule of one stage, a DDP/FSDP-wrapped or
+``dw_builder`` stage, something that does not pickle); then it replays alone, said in a log line.
+
+The replacement's schedule keeps its public behaviour: ``_step_microbatches`` (what ``step()`` calls with the
+split micro-batches) is replaced on that instance for the replay only; losses and last-stage outputs of the
+helpers' micro-batches are handed back so ``step(losses=...)`` and the merged output are complete. All traffic
+uses the current generation's default group with tags of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from swiftrun.runtime import collectives, faults
+from swiftrun.runtime.pp_handover import from_bytes, to_bytes
+
+if TYPE_CHECKING:
+    from swiftrun.runtime.pipeline import Pipeline
+    from swiftrun.runtime.pp_plan import PipePlan
+
+log = logging.getLogger("swiftrun.runtime")
+
+_TAG_SIZE, _TAG_DATA = 0x5719, 0x571A  # apart from the schedule's traffic (0) and the hand-over's (0x5717/8)
+ENV = "SWIFTRUN_PARALLEL_REPLAY"
+
+
+def cap() -> int:
+    """The most helpers a replay may take (-1: every idle survivor; 0: off)."""
+    value = os.environ.get(ENV, "").strip()
+    return int(value) if value else -1
+
+
+def helpers_of(plan: PipePlan, world_size: int, limit: int | None = None) -> tuple[int, ...]:
+    """The ranks that may help the plan's replay, in chain order; () when it is not one rank replaying alone."""
+    limit = cap() if limit is None else limit
+    if limit == 0 or len(plan.replays) != 1 or len(plan.replays[0].ranks) != 1:
+        return ()
+    busy = set(plan.replays[0].ranks) | {t for _, targets in plan.copies for t in targets}
+    idle = [r for r in range(world_size) if r not in busy]
+    return tuple(idle if limit < 0 else idle[:limit])
+
+
+def ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` micro-batches in ``min(parts, n)`` contiguous ranges, as even as possible, the larger ones first."""
+    parts = max(1, min(parts, n))
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (1 if k < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def fold(partial: list[torch.Tensor | None], grads: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Add each micro-batch's parameter gradients to ``partial`` in order, as autograd accumulates ``.grad``: the
+    first gradient of a parameter is taken as is, the next ones added in place."""
+    for per_mb in grads:
+        for j, g in enumerate(per_mb):
+            if g is None:
+                continue
+            if partial[j] is None:
+                partial[j] = g
+            else:
+                partial[j].add_(g)
+    return partial
+
+
+# ---------------------------------------------------------------------- transport
+
+
+def _tags(device: torch.device, tag: int) -> dict:
+    return {} if device.type == "cuda" else {"tag": tag}
+
+
+class _Slot:
+    """Where a tensor sent after a message's header goes back (tensors travel raw, not pickled)."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+    def __getstate__(self) -> tuple:
+        return self.index, self.shape, self.dtype
+
+    def __setstate__(self, state: tuple) -> None:
+        self.index, self.shape, self.dtype = state
+
+
+def _lift(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a slot; the tensors (contiguous, detached) appended in order."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().contiguous())
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_lift(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _lift(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _slots(value: Any, out: list[_Slot]) -> list[_Slot]:
+    if isinstance(value, _Slot):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _slots(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _slots(v, out)
+    return out
+
+
+def _drop(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, _Slot):
+        return tensors[value.index]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_drop(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return {k: _drop(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _send(obj: Any, to: int, device: torch.device) -> list:
+    """Start sending ``obj``: a small pickled header, then its tensors as they are (no serialisation, no copy on
+    the host). Returns what to wait for (and to keep alive until then)."""
+    tensors: list[torch.Tensor] = []
+    header = to_bytes(_lift(obj, tensors)).to(device)
+    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
+    pending: list = [header, size, dist.isend(size, to, **_tags(device, _TAG_SIZE)),
+                     dist.isend(header, to, **_tags(device, _TAG_DATA))]
+    for t in tensors:
+        if t.numel():
+            t = t.to(device)
+            pending += [t, dist.isend(t, to, **_tags(device, _TAG_DATA))]
+    return pending
+
+
+def _wait(pending: list) -> None:
+    for item in pending:
+        if isinstance(item, dist.Work):
+            item.wait()
+
+
+def _recv(frm: int, device: torch.device) -> Any:
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, frm, **_tags(device, _TAG_SIZE))
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(header, frm, **_tags(device, _TAG_DATA))
+    lifted = from_bytes(header)
+    tensors: dict[int, torch.Tensor] = {}
+    for slot in sorted(_slots(lifted, []), key=lambda s: s.index):
+        t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        if t.numel():
+            dist.recv(t, frm, **_tags(device, _TAG_DATA))
+        tensors[slot.index] = t
+    return _drop(lifted, tensors)
+
+
+def _cpu(value: Any) -> Any:
+    """Detached host copies of the tensors in a nested structure (what goes into a message)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    return value
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def seeded(generators: list[torch.Generator], seed: int) -> Iterator[None]:
+    """Run with ``generators`` seeded from ``seed``; their states are put back afterwards."""
+    states = [g.get_state() for g in generators]
+    try:
+        for g in generators:
+            g.manual_seed(seed)
+        yield
+    finally:
+        for g, saved in zip(generators, states):
+            g.set_state(saved)
+
+
+# ---------------------------------------------------------------------- the replacement's side
+
+
+def _unsplittable(pp: Pipeline) -> str | None:
+    """Why this rank's stage cannot be replayed in parts (None: it can)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    schedule = pp.schedule
+    if pp.tap is not None or schedule is None or type(schedule) not in (ScheduleGPipe, Schedule1F1B):
+        return "only GPipe and 1F1B schedules of torch.distributed.pipelining are split"
+    stage = pp.stages[0]
+    if isinstance(stage.submod, (DistributedDataParallel, FSDPModule)):
+        return "the stage module is wrapped by DDP or FSDP"
+    if stage.dw_builder is not None or not schedule._has_backward:
+        return "the stage has a custom weight backward or no backward"
+    if schedule._n_microbatches < 2:
+        return "a step has one micro-batch"
+    if not stage.is_first and any(i.is_root_arg for i in stage.args_recv_info[0]):
+        return "the stage takes root arguments"
+    return None
+
+
+def offer(pp: Pipeline, helpers: tuple[int, ...]) -> Leader | None:
+    """On the replaying rank, right after the hand-over: offer every candidate helper its part (or nothing)."""
+    device = pp.rec.group.device()
+    why = _unsplittable(pp)
+    payload = None
+    if why is None:
+        stage = pp.stages[0]
+        try:
+            payload = to_bytes({"module": stage.submod, "loss_fn": pp.schedule._loss_fn if stage.is_last else None})
+        except Exception as exc:  # noqa: BLE001 - whatever does not pickle: replay alone
+            why = f"the stage module or loss function does not pickle ({type(exc).__name__}: {exc})"
+    chain: list[int] = []
+    if why is None:
+        stage = pp.stages[0]
+        parts = ranges(pp.schedule._n_microbatches, 1 + len(helpers))
+        chain = [pp.rec.rank, *helpers[:len(parts) - 1]]
+    pending = []
+    with collectives.internal():
+        for helper in helpers:
+            setup = None
+            if helper in chain:
+                setup = {"payload": payload, "chain": chain, "ranges": parts, "index": stage.stage_index,
+                         "first": stage.is_first, "last": stage.is_last, "seed": pp.seed}
+            pending += _send(setup, helper, device)
+        _wait(pending)
+    if why is not None:
+        log.info("rank %d replays its stage alone: %s", pp.rec.rank, why)
+        return None
+    log.info("rank %d replays its stage with helpers %s (micro-batch ranges %s)", pp.rec.rank, chain[1:], parts)
+    return Leader(pp, chain, parts)
+
+
+class Leader:
+    """The replaying rank's schedule, split across helpers for the replay."""
+
+    def __init__(self, pp: Pipeline, chain: list[int], parts: list[tuple[int, int]]) -> None:
+        self.pp, self.chain, self.parts = pp, chain, parts
+        self.schedule, self.stage = pp.schedule, pp.stages[0]
+        self.device = pp.rec.group.device()
+        self.schedule._step_microbatches = self._step_microbatches  # this instance, for the replay only
+
+    @property
+    def helpers(self) -> list[int]:
+        return self.chain[1:]
+
+    def detach(self) -> None:
+        """Give the schedule its own ``_step_microbatches`` back (a replay interrupted: nothing is sent)."""
+        self.schedule.__dict__.pop("_step_microbatches", None)
+
+    def close(self) -> None:
+        """The replay is over: release the helpers, restore the schedule."""
+        self.detach()
+        with collectives.internal():
+            pending = []
+            for helper in self.helpers:
+                pending += _send(None, helper, self.device)
+            _wait(pending)
+
+    def _work(self, lo: int, hi: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
+              loss_kwargs: dict | None) -> dict:
+        """Everything a helper needs for micro-batches ``lo..hi-1`` of this step: inputs, output gradients, targets
+        (receives are served from the neighbours' logs into the stage's buffers, as in a replay alone)."""
+        stage = self.stage
+        mbs: dict[int, dict] = {}
+        for i in range(lo, hi):
+            entry: dict[str, Any] = {"kwargs": _cpu(kwarg_mbs[i] or {})}
+            if stage.is_first:
+                entry["args"] = _cpu(tuple(arg_mbs[i]))
+                entry["requires_grad"] = None
+            else:
+                stage.get_fwd_recv_ops(i)
+                acts = stage._retrieve_recv_activations(i)
+                entry["args"] = _cpu(tuple(acts))
+                entry["requires_grad"] = [bool(a.requires_grad) for a in acts]
+            if stage.is_last:
+                entry["target"] = _cpu(target_mbs[i]) if target_mbs is not None else None
+            else:
+                stage.get_bwd_recv_ops(i)
+                entry["grads"] = _cpu(tuple(stage._retrieve_recv_grads(i)))
+            mbs[i] = entry
+        return {"step": self.pp.rec.step, "state": _cpu(self.stage.submod.state_dict()), "mbs": mbs,
+                "loss_kwargs": loss_kwargs}
+
+    def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+                           target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+                           loss_kwargs: dict | None = None) -> None:
+        schedule, stage = self.schedule, self.stage
+        arg_mbs, kwarg_mbs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        with collectives.internal():
+            pending = []
+            for helper, (lo, hi) in zip(self.helpers, self.parts[1:]):
+                pending += _send(self._work(lo, hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
+                                 self.device)
+        lo, hi = self.parts[0]
+        for i in range(lo, hi):  # this rank's range, as the schedule would (backward in micro-batch order)
+            stage.get_fwd_recv_ops(i)
+            output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
+            schedule._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
+            stage.get_fwd_send_ops(i)
+        for i in range(lo, hi):
+            stage.get_bwd_recv_ops(i)
+            stage.backward_one_chunk(i, loss=schedule._maybe_get_loss(stage, i), last_backward=False)
+            stage.get_bwd_send_ops(i)
+        params = list(stage.submod.parameters())
+        with collectives.internal():
+            _wait(pending)
+            _wait(_send({"grads": [p.grad for p in params], "losses": [], "outputs": []}, self.helpers[0],
+                        self.device))
+            total = _recv(self.helpers[-1], self.device)
+        for p, g in zip(params, total["grads"]):
+            p.grad = None if g is None else g.to(p.device)
+        if stage.is_last:
+            schedule._internal_losses.extend(_to(total["losses"], self.device))
+            if return_outputs:
+                stage.output_chunks.extend(_to(total["outputs"], self.device))
+        schedule._update_losses(stage, losses)
+        stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
+
+
+# ---------------------------------------------------------------------- a helper's side
+
+
+def receive_offer(leader: int, device: torch.device) -> dict | None:
+    with collectives.internal():
+        return _recv(leader, device)
+
+
+def help_replay(rank: int, setup: dict, device: torch.device) -> int:
+    """Compute this rank's range of every replayed step and fold it into the chain, until the replacement says the
+    replay is over. Returns the number of steps helped."""
+    from torch.distributed.pipelining._backward import stage_backward
+    from torch.distributed.pipelining._utils import flatten_args
+    from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple
+
+    from swiftrun.runtime.pipeline import _generators, _mix
+
+    shipped = torch.load(io.BytesIO(setup["payload"].numpy().tobytes()), weights_only=False, map_location=device)
+    module, loss_fn = shipped["module"], shipped["loss_fn"]
+    chain = setup["chain"]
+    me = chain.index(rank)
+    prev, nxt = chain[me - 1], chain[(me + 1) % len(chain)]
+    index, first, last, seed = setup["index"], setup["first"], setup["last"], setup["seed"]
+    generators = _generators(device)
+    params = list(module.parameters())
+    steps = 0
+    with collectives.internal(), torch.enable_grad():
+        while True:
+            work = _recv(chain[0], device)
+            if work is None:
+                return steps
+            faults.fire("help", work["step"])
+            started = time.perf_counter()
+            module.load_state_dict(work["state"])
+            per_mb: list[list[torch.Tensor | None]] = []
+            losses, outputs = [], []
+            for i in sorted(work["mbs"]):
+                entry = _to(work["mbs"][i], device)
+                for p in params:
+                    p.grad = None
+                if first:
+                    args = tuple(entry["args"])
+                else:
+                    args = tuple(a.requires_grad_(rg) for a, rg in zip(entry["args"], entry["requires_grad"]))
+                kwargs = entry["kwargs"] or {}
+                with seeded(generators, _mix(seed, work["step"], index, i)):
+                    output = module(*args, **kwargs)
+                inputs = flatten_args(args) + flatten_args(kwargs)
+                if last:
+                    loss = loss_fn(output, entry["target"], **(work["loss_kwargs"] or {}))
+                    stage_backward(loss, None, inputs)
+                    losses.append(loss.detach().cpu())
+                    outputs.append(_cpu(output))
+                else:
+                    stage_backward(_normalize_model_output_as_tuple(output), entry["grads"], inputs)
+                per_mb.append([p.grad for p in params])
+            for p in params:
+                p.grad = None
+            partial = _recv(prev, device)
+            grads = fold(_to(partial["grads"], device), per_mb)
+            message = {"grads": _cpu(grads), "losses": partial["losses"] + losses,
+                       "outputs": partial["outputs"] + outputs}
+            _wait(_send(message, nxt, device))
+            steps += 1
+            log.debug("helped step %d (micro-batches %s) in %.3fs", work["step"], sorted(work["mbs"]),
+                      time.perf_counter() - started)

@@ -1,0 +1,85 @@
+"""Parallel replay's pieces in one process: micro-batch ranges, who helps, and the gradient fold being bitwise
+equal to autograd's own accumulation over the micro-batches (runtime/pp_parallel.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining._backward import stage_backward
+
+from swiftrun.runtime import pp_parallel
+from swiftrun.runtime.pipeline import _generators, _mix
+from swiftrun.runtime.pp_plan import PipePlan, Replay
+
+
+def test_ranges_are_contiguous_and_cover_every_micro_batch():
+    assert pp_parallel.ranges(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert pp_parallel.ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert pp_parallel.ranges(2, 5) == [(0, 1), (1, 2)]
+    assert pp_parallel.ranges(5, 1) == [(0, 5)]
+
+
+def test_helpers_are_idle_survivors_of_a_single_rank_replay():
+    one = Replay(ranks=(2,), start=4, sources=((2, 3),), peers=(1, 3), stages=(2,))
+    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,)), 4, -1) == (0, 1, 3)
+    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,)), 4, 2) == (0, 1)
+    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,)), 4, 0) == ()
+    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,), copies=((4, (5,)),)), 6, -1) == (0, 1, 3, 4)
+    pair = Replay(ranks=(1, 2), start=4, sources=((1, -2), (2, -2)), peers=(0, 3), stages=(1, 2))
+    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(pair,)), 4, -1) == ()
+    assert pp_parallel.helpers_of(PipePlan(point=5), 4, -1) == ()
+
+
+def _stage(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Dropout(0.2), nn.Linear(64, 64))
+
+
+def _grads_of_one(module: nn.Module, x: torch.Tensor, g: torch.Tensor, mb: int) -> list[torch.Tensor | None]:
+    for p in module.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    with pp_parallel.seeded(_generators(torch.device("cpu")), _mix(7, 3, 1, mb)):
+        out = module(x)
+    stage_backward((out,), (g,), [x])
+    grads = [p.grad for p in module.parameters()]
+    for p in module.parameters():
+        p.grad = None
+    return grads
+
+
+def test_fold_along_a_chain_is_bitwise_autograd_accumulation():
+    torch.manual_seed(1)
+    n = 8
+    xs = [torch.randn(16, 64) for _ in range(n)]
+    gs = [torch.randn(16, 64) for _ in range(n)]
+    whole = _stage()
+    for mb in range(n):  # what the schedule does alone: every micro-batch accumulated into .grad, in order
+        x = xs[mb].clone().requires_grad_(True)
+        with pp_parallel.seeded(_generators(torch.device("cpu")), _mix(7, 3, 1, mb)):
+            out = whole(x)
+        stage_backward((out,), (gs[mb],), [x])
+    want = [p.grad.clone() for p in whole.parameters()]
+
+    parts = pp_parallel.ranges(n, 3)
+    lo, hi = parts[0]  # the replacement: its range accumulated by autograd
+    leader = _stage()
+    for mb in range(lo, hi):
+        x = xs[mb].clone().requires_grad_(True)
+        with pp_parallel.seeded(_generators(torch.device("cpu")), _mix(7, 3, 1, mb)):
+            out = leader(x)
+        stage_backward((out,), (gs[mb],), [x])
+    partial = [p.grad for p in leader.parameters()]
+    for lo, hi in parts[1:]:  # each helper: per-micro-batch gradients computed apart, folded in order
+        helper = _stage()
+        per_mb = [_grads_of_one(helper, xs[mb], gs[mb], mb) for mb in range(lo, hi)]
+        partial = pp_parallel.fold(partial, per_mb)
+    assert all(torch.equal(a, b) for a, b in zip(partial, want))
+
+    # summing per-range partial sums instead is not bitwise (why the fold is a chain)
+    sums = []
+    for lo, hi in parts:
+        sums.append(pp_parallel.fold([None] * len(want),
+                                     [_grads_of_one(_stage(), xs[mb], gs[mb], mb) for mb in range(lo, hi)]))
+    added = [sums[0][j] + sums[1][j] + sums[2][j] for j in range(len(want))]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(added, want))
