@@ -129,7 +129,8 @@ def test_exact_undo_restores_an_undone_update_bitwise(flags, fault, reference, t
     assert_exact(save, reference(flags), events, bitwise=True)
 
 
-@pytest.mark.parametrize("fault", ["1:1:forward:sigkill", "1:2:forward:sigkill"], ids=["redo-step-1", "redo-step-2"])
+@pytest.mark.parametrize("fault", [pytest.param("1:1:forward:sigkill", marks=pytest.mark.extended),
+                                   "1:2:forward:sigkill"], ids=["redo-step-1", "redo-step-2"])
 def test_static_graph_recovered_before_ddp_reports_its_rebuilt_buckets(fault, reference, tmp_path, marker):
     """A static-graph DDP module runs its initial bucket (one here) in steps 0 and 1 and the rebuilt ones (two:
     the WIDE x WIDE layer exceeds the 1 MiB first-bucket cap) from step 2, reported only from step 3. A redo of

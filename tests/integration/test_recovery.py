@@ -54,7 +54,7 @@ def test_fault_is_recovered_in_place(world, optimizer, rank, phase, kind, refere
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("recovery", ["auto", "undo"])
+@pytest.mark.parametrize("recovery", ["auto", pytest.param("undo", marks=pytest.mark.extended)])
 def test_update_applied_before_a_failed_collective_is_undone(recovery, references, tmp_path, marker):
     """Rank 1 dies right after its optimizer step; the survivors applied theirs and block in a loss all-reduce
     that follows it. No rank finished the step, so the update is undone and the step redone."""

@@ -58,6 +58,7 @@ def test_hang_during_recovery_is_detected_and_repaired(references, tmp_path, mar
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.extended
 def test_replacement_that_crashes_every_time_stops_within_the_budget(tmp_path, marker):
     """A rank that dies at the same step in every incarnation: bounded recoveries, then a clean stop."""
     events = tmp_path / "events.jsonl"
@@ -101,6 +102,7 @@ def test_non_invertible_update_falls_back_to_restart(tmp_path, marker):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.extended
 def test_non_invertible_optimizer_rolls_forward(references, tmp_path, marker):
     """Adagrad cannot be undone, but a failure that leaves survivors on a step boundary needs no undo."""
     events = tmp_path / "events.jsonl"
@@ -123,7 +125,9 @@ def test_failures_in_consecutive_steps(references, tmp_path, marker):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["1:0:after-step:sigkill", "2:1:backward:sigkill"], ids=["after-step-0", "in-step-1"])
+@pytest.mark.parametrize("fault", ["1:0:after-step:sigkill",
+                                   pytest.param("2:1:backward:sigkill", marks=pytest.mark.extended)],
+                         ids=["after-step-0", "in-step-1"])
 def test_failure_before_ddp_reports_its_rebuilt_buckets_is_exact(fault, references, tmp_path, marker):
     """DDP runs its first iteration with one bucket, rebuilds at its second forward (two buckets here: the first
     one is capped at 1 MiB) and reports the rebuilt layout from its third. A recovery whose redo is step 1 must

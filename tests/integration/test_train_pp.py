@@ -103,6 +103,7 @@ def test_schedule_equals_single_process(pp_runs, schedule, nproc):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.extended
 def test_two_by_two_data_parallel(pp_runs):
     save = pp_runs("torchrun4", "--dp", "2", "--schedule", "1f1b")
     states = load(save)
@@ -123,6 +124,7 @@ def test_two_runs_are_bitwise_equal(pp_runs, tmp_path, marker):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.extended
 def test_resume_from_checkpoint_equals_uninterrupted(pp_runs, tmp_path, marker):
     uninterrupted = pp_runs("torchrun4", "--schedule", "1f1b")
     ckpt, save = tmp_path / "ckpt", tmp_path / "save"
