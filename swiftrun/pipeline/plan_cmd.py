@@ -53,7 +53,9 @@ from swiftrun.pipeline.planner import (
     tradeoff_curve,
 )
 
-PLOT_INSTALL_HINT = "pip install 'swiftrun[plot]'"
+# the optional matplotlib import is report.py's, shared: one install hint, one headless backend
+from swiftrun.report import PLOT_INSTALL_HINT, PlotUnavailable, _pyplot  # noqa: E402,F401
+
 PROFILE_VERSION = 1
 _PROFILE_KEYS = {
     "version", "ckpt_every", "stages", "failure_weights", "replay_speedup", "micro_batches", "restart_seconds",
@@ -308,21 +310,6 @@ def curve_table(curve: list[LoggingPlan], chosen: LoggingPlan | None, max_rows: 
 
 
 # --- plot -------------------------------------------------------------------------------------------------------
-
-
-class PlotUnavailable(Exception):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise PlotUnavailable(str(error)) from error
-    return plt
 
 
 def draw_curve(
