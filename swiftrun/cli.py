@@ -9,7 +9,8 @@ are accepted by the parser and then refused with an error naming them, never sil
 This module only parses. It builds the config and hands it to :func:`swiftrun.launcher.launch`; a
 :class:`~swiftrun.errors.SwiftrunError` from anywhere below becomes ``swiftrun: error: <message>`` and its exit
 code. ``swiftrun report ...`` is dispatched to :mod:`swiftrun.report`, ``swiftrun plan ...`` to
-:mod:`swiftrun.pipeline.plan_cmd`.
+:mod:`swiftrun.pipeline.plan_cmd`; ``swiftrun coordinator FLAGS SCRIPT ...`` parses the launcher's command line
+and runs the job's coordinator (:func:`swiftrun.launcher.coordinate`) instead of a node.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ C10D_DEFAULT_PORT = 29400  # torch's c10d rendezvous default
 MASTER_PORT_DEFAULT = 29500
 SHUTDOWN_TIMEOUT_DEFAULT = 30.0
 JOIN_TIMEOUT_DEFAULT = 120.0  # multi-node: how long an agent waits for the coordinator (--rdzv-conf join_timeout)
+CONNECT_TIMEOUT_DEFAULT = 10.0  # --external-coordinator: how long a refused connection is retried (connect_timeout)
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 START_METHODS = ("spawn", "fork", "forkserver")
 RDZV_BACKENDS = ("static", "c10d")
@@ -299,6 +301,8 @@ EPILOG = (
     "Every torchrun flag is also read from PET_<NAME> (PET_NPROC_PER_NODE=4), swiftrun's own from "
     "SWIFTRUN_<NAME>; the command line wins. Underscored spellings (--nproc_per_node) work too.\n\n"
     "Summarise a run recorded with --event-log EVENTLOG: swiftrun report EVENTLOG\n\n"
+    "Run a multi-node job's store and control plane on a host that trains nothing: swiftrun coordinator "
+    "FLAGS SCRIPT [ARGS] (the agents' command line; agents then add --external-coordinator)\n\n"
     "Choose which pipeline boundaries to log under a storage budget: swiftrun plan --help"
 )
 
@@ -385,8 +389,12 @@ def _fail(err: SwiftrunError) -> NoReturn:
     raise typer.Exit(err.exit_code)
 
 
+COORDINATOR = "coordinator"  # ctx.obj when `swiftrun coordinator ...` parses its (the launcher's) flags
+
+
 @app.command(epilog=EPILOG)
 def launch(
+    ctx: typer.Context,
     script: Annotated[
         str,
         typer.Argument(
@@ -670,6 +678,7 @@ def launch(
     ] = "",
 ) -> None:
     """Launch SCRIPT on local workers exactly like torchrun, and recover failed ranks in place."""
+    as_coordinator = ctx.obj == COORDINATOR
     try:
         refused_flags(
             logs_specs=logs_specs,
@@ -690,6 +699,13 @@ def launch(
         node_rank = node_rank if node_rank is not None else 0
         if node_rank < 0:
             raise ConfigError(f"--node-rank must be >= 0 (got {node_rank})")
+        if as_coordinator:
+            # the coordinator takes the agents' command line (it refuses agents whose job differs from it), so
+            # their --node-rank or $SLURM_NODEID means nothing here; it is the external coordinator by definition
+            node_rank, external_coordinator = 0, True
+            if standalone:
+                raise ConfigError("swiftrun coordinator serves a multi-node job: give --rdzv-endpoint HOST:PORT, "
+                                  "not --standalone")
         multinode = nodes != (1, 1) or node_rank != 0 or external_coordinator
         conf = parse_rdzv_conf(rdzv_conf)
         if start_method not in START_METHODS:
@@ -744,6 +760,7 @@ def launch(
                 node_lease=node_lease,
                 node_timeout=node_timeout,
                 join_timeout=_conf_seconds(conf, "join_timeout", JOIN_TIMEOUT_DEFAULT),
+                connect_timeout=_conf_seconds(conf, "connect_timeout", CONNECT_TIMEOUT_DEFAULT),
             ),
             recovery=recovery_mode,
             max_recoveries=max_recoveries,
@@ -765,7 +782,7 @@ def launch(
         )
         from swiftrun import launcher
 
-        code = launcher.launch(config)
+        code = launcher.coordinate(config) if as_coordinator else launcher.launch(config)
     except SwiftrunError as err:
         _fail(err)
     raise typer.Exit(code)
@@ -816,6 +833,10 @@ SUBCOMMANDS = {"report": "swiftrun.report", "plan": "swiftrun.pipeline.plan_cmd"
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: ``swiftrun [FLAGS] SCRIPT [ARGS...]``, ``swiftrun report|plan ...``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == COORDINATOR:
+        # the launcher's own flags and rules (PET_*, Slurm defaults, abbreviations), a different ending
+        app(args=args[1:], prog_name="swiftrun coordinator", obj=COORDINATOR)
+        return
     if args and args[0] in SUBCOMMANDS:
         try:
             # import_module, not "from swiftrun import report": the package lazily exports a report() function

@@ -113,10 +113,13 @@ class Timeouts:
     node_timeout: float = 10.0
     # multi-node: how long an agent waits for the coordinator to answer its JOIN (torchrun's join_timeout)
     join_timeout: float = 120.0
+    # multi-node, --external-coordinator: how long an agent retries a refused connection to `swiftrun
+    # coordinator` (which may still be starting) before it says nothing listens there
+    connect_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "heartbeat_timeout", "shutdown_timeout", "recovery_timeout", "startup_timeout",
-                     "node_lease", "node_timeout", "join_timeout"):
+                     "node_lease", "node_timeout", "join_timeout", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
         if self.progress_timeout < 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from swiftrun.config import EntrypointKind, LaunchConfig
 from swiftrun.errors import LaunchError
 
+import sys
+
 
 def launch(config: LaunchConfig) -> int:
     """Run the job described by ``config``; returns the exit status for the launcher process."""
@@ -28,6 +30,42 @@ def launch(config: LaunchConfig) -> int:
     return Agent(config, reporter, new_log_root(config)).run()
 
 
+def coordinate(config: LaunchConfig) -> int:
+    """``swiftrun coordinator``: the job's store and control plane as a process of their own, on a host that
+    trains nothing, so that losing any training node (node 0 included) is an in-place recovery.
+
+    It runs the same decision loop as the coordinator node 0 hosts by default (:class:`Coordinator`), in this
+    process's main thread, and exits with the job's status as soon as the job ends. SIGINT/SIGTERM/... stop the
+    job as they would stop a one-node swiftrun (forwarded to every worker; a second signal kills them).
+    """
+    import signal
+    import socket
+
+    from swiftrun.launcher.agent import new_log_root
+    from swiftrun.launcher.coordinator import Coordinator, control_endpoint
+
+    log_root = new_log_root(config)
+    coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"), registers=None,
+                              standalone=True)
+    sig_r, sig_w = socket.socketpair()
+    sig_r.setblocking(False)
+    sig_w.setblocking(False)
+    old = {signum: signal.signal(signum, lambda *_: None) for signum in config.signals_to_handle}
+    old_wakeup = signal.set_wakeup_fd(sig_w.fileno(), warn_on_full_buffer=False)
+    print(f"swiftrun coordinator: waiting for {config.nnodes[0]} node(s) of {config.nproc_per_node} worker(s): "
+          f"store {config.master_addr}:{coordinator.store.port}, control port "
+          f"{control_endpoint(config, coordinator.store.port)}; event log {coordinator.event_log.path}",
+          file=sys.stderr, flush=True)
+    try:
+        return coordinator.run(signal_sock=sig_r)
+    finally:
+        signal.set_wakeup_fd(old_wakeup)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        sig_r.close()
+        sig_w.close()
+
+
 def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
     """One node of a multi-node job; node 0 also hosts the coordinator unless it runs elsewhere."""
     import os
@@ -39,11 +77,17 @@ def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
 
     coordinator = None
     if config.node_rank == 0 and not config.external_coordinator:
-        coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"),
-                                  registers=uses_swiftrun(config.entrypoint))
+        try:
+            coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"),
+                                      registers=uses_swiftrun(config.entrypoint))
+        except LaunchError as err:
+            raise LaunchError(f"{err} (if `swiftrun coordinator` runs at the endpoint, start every agent with "
+                              "--external-coordinator)") from None
         port = coordinator.port
     else:
         port = control_endpoint(config, config.master_port)
+        if config.external_coordinator:
+            wait_reachable(config.master_addr, port, config.timeouts.connect_timeout)
     address = f"tcp://{config.master_addr}:{port}"
     agent = NodeAgent(config, reporter, log_root, address)
     if coordinator is None:
@@ -59,3 +103,28 @@ def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
         thread.join(5.0)
         os.close(stop_r)
         os.close(stop_w)
+
+
+def wait_reachable(host: str, port: int, timeout: float) -> None:
+    """Wait until something listens at the external coordinator's control port, or fail clearly.
+
+    ZeroMQ connects in the background and would leave the agent waiting for the whole join timeout; a plain TCP
+    connect says within seconds that nothing listens there (a wrong endpoint, a coordinator not started yet or
+    already gone: it exits when its job ends). Refused connections are retried for ``timeout`` seconds, since
+    the coordinator may still be starting."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                return
+        except OSError as exc:
+            why = exc.strerror or str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"cannot reach the coordinator at {host}:{port} ({why}) within {timeout:g}s "
+                              "(--rdzv-conf connect_timeout): is `swiftrun coordinator` running there with the same "
+                              "--rdzv-endpoint? It exits when its job ends.")
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -15,6 +15,8 @@ restarted, or a hot spare at once. Every store call lives in the workers; this l
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -54,9 +56,15 @@ def control_endpoint(config: LaunchConfig, store_port: int) -> int:
 
 
 class Coordinator:
-    def __init__(self, config: LaunchConfig, event_log_path: Path, registers: bool) -> None:
+    """``registers``: whether the job's script registers ``swiftrun.Run`` (the Job needs it). Node 0's agent reads
+    its own copy of the script; a standalone coordinator (``standalone=True``) may have no copy of it and takes
+    the first agent's answer from its JOIN."""
+
+    def __init__(self, config: LaunchConfig, event_log_path: Path, registers: bool | None,
+                 standalone: bool = False) -> None:
         self.config = config
         self.registers = registers
+        self.standalone = standalone
         self.nodes = NodeTable(config.nnodes[0], config.timeouts.node_timeout)
         self.nodes.fingerprint = fingerprint(config)
         self.event_log = EventLog(event_log_path)
@@ -66,7 +74,8 @@ class Coordinator:
         self.exit_code: int | None = None
         self.finish_deadline: float | None = None
         self.t0 = time.monotonic()
-        self.store = AgentStore(config.master_addr, config.master_port, config.world_size)
+        self.store = AgentStore(config.master_addr, config.master_port, config.world_size,
+                                flag="--rdzv-endpoint" if standalone else "--master-port")
         self.port = control_endpoint(config, self.store.port)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -83,16 +92,22 @@ class Coordinator:
         self._last_progress: tuple[float, Any] = (0.0, None)
         self._job_due = 0.0  # when Job.tick is next due (its next_deadline at the last tick)
         self.event_log.write(EventName.JOB_START, world_size=config.world_size, nnodes=config.nnodes[0],
-                             script=config.entrypoint.target, pid=os.getpid(), coordinator=True)
+                             script=config.entrypoint.target, pid=os.getpid(), coordinator=True,
+                             standalone=standalone)
 
     # ------------------------------------------------------------------ loop
 
-    def run(self, stop_fd: int | None = None) -> int:
+    def run(self, stop_fd: int | None = None, signal_sock: socket.socket | None = None) -> int:
+        """The one decision loop, whoever hosts it. ``stop_fd`` readable: stop now (node 0's agent is done).
+        ``signal_sock``: the process's signal wakeup socket (a standalone coordinator is its process's main
+        thread): a signal stops the job as it would on one node, a second one kills the workers at once."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         if stop_fd is not None:
             poller.register(stop_fd, zmq.POLLIN)
+        if signal_sock is not None:
+            poller.register(signal_sock.fileno(), zmq.POLLIN)
         try:
             while True:
                 now = time.monotonic()
@@ -101,6 +116,8 @@ class Coordinator:
                 ready = dict(poller.poll(max(0.0, self._next_deadline(now) - now) * 1000))
                 if stop_fd is not None and stop_fd in ready:
                     break
+                if signal_sock is not None and signal_sock.fileno() in ready:
+                    self._on_signals(signal_sock, time.monotonic())
                 if self.monitor in ready:
                     self._drain_monitor()
                 if self.router in ready:
@@ -133,6 +150,18 @@ class Coordinator:
             stopped = frozenset().union(*self.stopped.values()) if self.stopped else frozenset()
             self._execute(self.job.tick(now, stopped), now)
             self._job_due = self.job.next_deadline(now)
+
+    def _on_signals(self, sock: socket.socket, now: float) -> None:
+        try:
+            received = sock.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        for signum in received:
+            self._note(f"received {signal.Signals(signum).name}")
+            if self.job is None:
+                self._finish(128 + signum, now)  # nothing runs yet: the agents leave with the job's status
+            elif self.exit_code is None:
+                self._execute(self.job.on_signal(signum, now), now)
 
     # ------------------------------------------------------------------ messages
 
@@ -193,6 +222,8 @@ class Coordinator:
             self._send(identity, NodeKind.REFUSE, {"reason": result.reason, "exit_code": 2})
             return
         node = result.node
+        if self.registers is None:
+            self.registers = bool(body.get("registers"))
         repeated = node.joined_at != now
         self._send(identity, NodeKind.ACCEPT, {
             "slot": node.slot, "incarnation": node.incarnation, "store_host": self.config.master_addr,
@@ -278,7 +309,8 @@ class Coordinator:
         assert node.slot is not None
         if self.job is None:
             if self.nodes.full():
-                self.job = Job(self.config, now, wall_offset=time.time() - time.monotonic(), registers=self.registers)
+                self.job = Job(self.config, now, wall_offset=time.time() - time.monotonic(),
+                               registers=bool(self.registers))
                 self._note(f"every node joined: starting {self.config.world_size} ranks on "
                            f"{self.config.nnodes[0]} nodes")
                 self._execute(self.job.start(now), now)
@@ -351,9 +383,20 @@ class Coordinator:
             return
         self.exit_code = code
         self.nodes.close("it finished" if code == 0 else f"it failed with exit code {code}")
+        told = self._summary_for_agents(code)
         for node in self.nodes.current():
+            if told is not None:
+                self._send(node.identity, NodeKind.DO, wire.action_body(told))
             self._send(node.identity, NodeKind.DO, wire.action_body(Finish(code)))
         self.finish_deadline = now + FINISH_GRACE
+
+    def _summary_for_agents(self, code: int) -> Note | None:
+        """A standalone coordinator's output is on another host: each agent also prints why the job failed."""
+        if not self.standalone or code == 0:
+            return None
+        if self.job is not None and self.job.failures:
+            return Note(format_summary(self.config.entrypoint.target, self.job.failures))
+        return Note(f"the job ended with exit code {code} (see the coordinator's output and event log)")
 
     # ------------------------------------------------------------------ output
 

@@ -15,8 +15,10 @@ from swiftrun.errors import LaunchError
 
 
 class AgentStore:
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 900.0) -> None:
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 900.0,
+                 flag: str = "--master-port") -> None:
         self.host = host
+        self._flag = flag  # the flag that chose the port, for error messages
         self._requested_port = port
         self._world_size = world_size
         self._timeout = timedelta(seconds=timeout_s)
@@ -34,12 +36,11 @@ class AgentStore:
         except Exception as exc:  # torch raises DistNetworkError/RuntimeError with a long C++ message
             text = str(exc)
             if "EADDRINUSE" in text or "address already in use" in text.lower():
-                raise LaunchError(
-                    f"port {port} on {self.host} is already in use (--master-port); pick a free port, or pass "
-                    "--standalone to let swiftrun choose one"
-                ) from None
+                hint = "pick a free port, or pass --standalone to let swiftrun choose one" \
+                    if self._flag == "--master-port" else "pick a free port"
+                raise LaunchError(f"port {port} on {self.host} is already in use ({self._flag}); {hint}") from None
             if "EADDRNOTAVAIL" in text or "cannot assign" in text.lower():
-                raise LaunchError(f"cannot listen on {self.host}:{port} (--master-addr is not an address of this host)") from None
+                raise LaunchError(f"cannot listen on {self.host}:{port} ({'--master-addr' if self._flag == '--master-port' else self._flag} is not an address of this host)") from None
             raise LaunchError(f"could not start the TCPStore on {self.host}:{port}: {text.splitlines()[0]}") from None
         self.port = self._store.port
 

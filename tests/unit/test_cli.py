@@ -516,3 +516,46 @@ def test_parse_local_ranks_filter() -> None:
     assert cli.parse_local_ranks_filter("0,1") == frozenset({0, 1})
     with pytest.raises(ConfigError):
         cli.parse_local_ranks_filter("0;1")
+
+
+# --- swiftrun coordinator ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def coordinated(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
+    """Every config handed to swiftrun.launcher.coordinate, which returns 3 without serving anything."""
+    configs: list[LaunchConfig] = []
+
+    def fake(config: LaunchConfig) -> int:
+        configs.append(config)
+        return 3
+
+    monkeypatch.setattr(swiftrun.launcher, "coordinate", fake, raising=False)
+    return configs
+
+
+def test_coordinator_takes_the_agents_command_line(coordinated, launched, monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_NODEID", "1")  # an agent's node rank means nothing to the coordinator
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["coordinator", "--nnodes", "2", "--nproc_per_node", "2", "--node-rank", "1", "--rdzv-backend",
+                  "c10d", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-id", "j1", "train.py", "--lr", "3"])
+    assert exit_info.value.code == 3  # the job's status
+    assert launched == [] and len(coordinated) == 1
+    config = coordinated[0]
+    assert (config.node_rank, config.external_coordinator, config.multinode) == (0, True, True)
+    assert (config.master_addr, config.master_port, config.world_size) == ("10.0.0.9", 29400, 4)
+    assert list(config.entrypoint.args) == ["--lr", "3"]
+
+
+def test_coordinator_refuses_standalone(coordinated, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["coordinator", "--standalone", "--nnodes", "2", "train.py"])
+    assert exit_info.value.code == 2
+    assert "swiftrun coordinator serves a multi-node job" in capsys.readouterr().err
+    assert coordinated == []
+
+
+def test_connect_timeout_from_rdzv_conf(launched) -> None:
+    config = config_of(launched, ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5",
+                                  "--external-coordinator", "--rdzv-conf", "connect_timeout=3", "train.py"])
+    assert config.timeouts.connect_timeout == 3.0 and config.external_coordinator
