@@ -115,7 +115,7 @@ class Timeouts:
     join_timeout: float = 120.0
     # multi-node, --external-coordinator: how long an agent retries a refused connection to `swiftrun
     # coordinator` (which may still be starting) before it says nothing listens there
-    connect_timeout: float = 10.0
+    connect_timeout: float = 30.0  # a cold start on a shared file system can take that long to import torch
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "heartbeat_timeout", "shutdown_timeout", "recovery_timeout", "startup_timeout",

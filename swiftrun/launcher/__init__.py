@@ -44,6 +44,9 @@ def coordinate(config: LaunchConfig) -> int:
     from swiftrun.launcher.agent import new_log_root
     from swiftrun.launcher.coordinator import Coordinator, control_endpoint
 
+    _check_free(config.master_addr, config.master_port, "--rdzv-endpoint")
+    if config.master_port:
+        _check_free(config.master_addr, control_endpoint(config, config.master_port), "--rdzv-conf control_port")
     log_root = new_log_root(config)
     coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"), registers=None,
                               standalone=True)
@@ -103,6 +106,22 @@ def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
         thread.join(5.0)
         os.close(stop_r)
         os.close(stop_w)
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    """Fail fast (before importing torch for the store) when the coordinator cannot listen where it must."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket() as probe:
+            probe.bind((host, port))
+    except socket.gaierror as exc:
+        raise LaunchError(f"cannot resolve {host!r} ({flag}): {exc.strerror}") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(f"port {port} on {host} is already in use ({flag}); pick a free port") from None
+        raise LaunchError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None
 
 
 def wait_reachable(host: str, port: int, timeout: float) -> None:

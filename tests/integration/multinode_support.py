@@ -67,3 +67,10 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     return [proc.wait(timeout=timeout) for proc in procs]
+
+
+def coordinator_cmd(nnodes: int, port: int, *extra: str, nproc: int = 2, host: str = "127.0.0.1",
+                    rdzv_id: str = "job7") -> list[str]:
+    """`swiftrun coordinator` with the agents' command line (node_cmd's, less --node-rank)."""
+    return [sys.executable, "-m", "swiftrun", "coordinator", *FAST, "--nnodes", str(nnodes), "--nproc-per-node",
+            str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", rdzv_id, *extra]
