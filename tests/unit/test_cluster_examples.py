@@ -117,3 +117,46 @@ def test_the_manifest_command_is_a_node_of_the_job_from_its_pet_variables(launch
     host = f"{job['metadata']['name']}-0.{job['spec']['template']['spec']['subdomain']}"
     assert (config.rdzv_backend, config.master_addr, config.master_port) == ("c10d", host, 29400)
     assert (config.timeouts.node_lease, config.timeouts.node_timeout) == (5.0, 10.0)
+
+
+# --- examples/slurm/train_dp_coordinator.sbatch: `swiftrun coordinator` on the batch host ---------------------
+
+
+def coordinator_sbatch(env: dict[str, str]) -> tuple[list[str], list[str], str]:
+    """(the coordinator's arguments, an agent's arguments, the srun line) with the script's JOB and TRAIN."""
+    text = (EXAMPLES / "slurm" / "train_dp_coordinator.sbatch").read_text().replace("\\\n", " ")
+    variables = dict(env)  # COORDINATOR and TRAIN_NODES (command substitution, arithmetic) come from the test
+    for m in re.finditer(r"^(\w+)=(\$\{\w+:-\w+\})", text, re.M):
+        variables.setdefault(m.group(1), _expand(m.group(2), variables))
+    for name in ("JOB", "TRAIN"):
+        (value,) = re.findall(rf'^{name}="([^"]*)"', text, re.M)
+        variables[name] = _expand(value, variables)
+    (coordinator,) = [line for line in text.splitlines() if line.startswith("swiftrun coordinator ")]
+    (srun,) = [line for line in text.splitlines() if line.strip().startswith("srun ")]
+    agent = re.search(r'bash -c "exec swiftrun (.*)"', srun).group(1).replace("\\${SLURM_PROCID}", env["SLURM_PROCID"])
+    return shlex.split(_expand(coordinator.rstrip(" &"), variables))[2:], shlex.split(_expand(agent, variables)), srun
+
+
+@pytest.mark.parametrize("procid, spare", [("0", False), ("4", True)])
+def test_the_coordinator_sbatch_runs_one_job_with_its_coordinator_off_the_training_nodes(
+        launched, monkeypatch, procid, spare):
+    from swiftrun import cli
+    from swiftrun.launcher.coordinator import fingerprint
+    import swiftrun.launcher
+
+    env = {**SLURM, "SLURM_JOB_NUM_NODES": "6", "SLURM_NODEID": procid, "SLURM_PROCID": procid,
+           "SPARE_NODES": "1", "COORDINATOR": "gpu07", "TRAIN_NODES": "4"}
+    coordinator_args, agent_args, srun = coordinator_sbatch(env)
+    assert {"--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "--exclude=${COORDINATOR}"} <= set(srun.split())
+    served: list = []
+    monkeypatch.setattr(swiftrun.launcher, "coordinate", lambda config: served.append(config) or 0, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        cli.main(["coordinator", *coordinator_args])
+    agent = config_of(launched, agent_args, env=env)
+    (coordinator,) = served
+    assert fingerprint(agent) == fingerprint(coordinator)  # the coordinator accepts these agents
+    assert agent.external_coordinator and agent.node_rank == int(procid) and agent.spare_node is spare
+    assert (agent.master_addr, agent.master_port) == (coordinator.master_addr, coordinator.master_port) == ("gpu07", 29400)
+    assert coordinator.nnodes == (4, 4) and coordinator.nproc_per_node == 8
