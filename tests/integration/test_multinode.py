@@ -142,8 +142,10 @@ def _step(path) -> int:
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-# the hot-spare takeover is also what the frozen-node test below exercises
-@pytest.mark.parametrize("takeover", ["restarted", pytest.param("hot-spare", marks=pytest.mark.extended)])
+# extended: the default suite's test_coordinator.py kills node 0 and restarts its command (the same Coordinator
+# code, standalone), and the hot-spare takeover is also what the frozen-node test below exercises
+@pytest.mark.extended
+@pytest.mark.parametrize("takeover", ["restarted", "hot-spare"])
 def test_a_node_killed_mid_run_is_replaced_in_place(tmp_path, marker, takeover):
     """SIGKILL of node 1's whole process group mid-run; the same command restarts it (or a hot-spare node,
     --node-rank 2, takes its slot): exit 0, node 0's workers keep their pids, the model is the failure-free one."""
