@@ -71,6 +71,7 @@ class Coordinator:
         self.job: Job | None = None
         self.pending: dict[int, list[Action]] = {k: [] for k in range(config.nnodes[0])}
         self.stopped: dict[int, frozenset[int]] = {}
+        self.vacant_since: dict[int, float] = {}  # node slots lost while the job runs, until taken back
         self.exit_code: int | None = None
         self.finish_deadline: float | None = None
         self.t0 = time.monotonic()
@@ -108,6 +109,7 @@ class Coordinator:
             poller.register(stop_fd, zmq.POLLIN)
         if signal_sock is not None:
             poller.register(signal_sock.fileno(), zmq.POLLIN)
+        self.t0 = time.monotonic()  # join_timeout counts from here, not from before the store's torch import
         try:
             while True:
                 now = time.monotonic()
@@ -129,6 +131,8 @@ class Coordinator:
 
     def _next_deadline(self, now: float) -> float:
         candidates = [now + self.config.timeouts.heartbeat_interval, self.nodes.next_deadline(now)]
+        if self.vacant_since:
+            candidates.append(min(self.vacant_since.values()) + self.config.timeouts.join_timeout)
         if self.job is not None:
             candidates.append(self._job_due)
         if self.finish_deadline is not None:
@@ -144,6 +148,7 @@ class Coordinator:
             self._note(f"node slot(s) {missing} did not join within {self.config.timeouts.join_timeout:g}s "
                        "(--rdzv-conf join_timeout)")
             self._finish(1, now)
+        self._vacant_too_long(now)
         if self.job is not None and now >= self._job_due:
             # Job.tick walks every slot of the world: run it when its own next_deadline says it may have work
             # (at most every heartbeat interval), not after every message, which at 10,000 ranks is the cost
@@ -162,6 +167,19 @@ class Coordinator:
                 self._finish(128 + signum, now)  # nothing runs yet: the agents leave with the job's status
             elif self.exit_code is None:
                 self._execute(self.job.on_signal(signum, now), now)
+
+    def _vacant_too_long(self, now: float) -> None:
+        """A lost node slot nobody takes back within join_timeout ends the job: the survivors would wait for it
+        until the workers' start-up deadline, and with every node lost nobody is left to wait for."""
+        limit = self.config.timeouts.join_timeout
+        late = sorted(k for k, since in self.vacant_since.items() if now - since > limit)
+        if not late or self.job is None or self.exit_code is not None:
+            return
+        for k in late:
+            del self.vacant_since[k]
+        slots = ", ".join(map(str, late))
+        self._execute(self.job.give_up(f"node slot(s) {slots} stayed vacant for more than {limit:g}s: neither the "
+                                       "restarted node nor a hot spare took it (--rdzv-conf join_timeout)", now), now)
 
     # ------------------------------------------------------------------ messages
 
@@ -315,6 +333,7 @@ class Coordinator:
                            f"{self.config.nnodes[0]} nodes")
                 self._execute(self.job.start(now), now)
             return
+        self.vacant_since.pop(node.slot, None)
         self._execute(self.job.on_node_joined(node.slot, now), now)
         queued, self.pending[node.slot] = self.pending[node.slot], []
         for action in queued:
@@ -342,6 +361,7 @@ class Coordinator:
         self.stopped.pop(node.slot, None)
         if self.job is None or self.exit_code is not None:
             return
+        self.vacant_since[node.slot] = now
         self.pending[node.slot] = []
         self._execute(self.job.on_node_lost(node.slot, now, cause, detect=detect), now)
         if self.exit_code is None:
@@ -351,9 +371,12 @@ class Coordinator:
 
     def _execute(self, actions: list[Action], now: float) -> None:
         assert self.job is not None
+        vanished: list[Kill] = []
         for action in actions + self.job.drain_records():
             if isinstance(action, Spawn):
                 self._route(action.node, action)
+            elif isinstance(action, Kill) and self.nodes.holder.get(self.job.slots[action.slot_id].node) is None:
+                vanished.append(action)
             elif isinstance(action, (Assign, Send, Kill)):
                 self._route(self.job.slots[action.slot_id].node, action, queue=isinstance(action, Assign))
             elif isinstance(action, ResetStore):
@@ -369,6 +392,18 @@ class Coordinator:
                 self._note(action.text)
             elif isinstance(action, Finish):
                 self._finish(action.exit_code, now)
+        for kill in vanished:
+            self._kill_on_vacant_node(kill, now)
+
+    def _kill_on_vacant_node(self, kill: Kill, now: float) -> None:
+        """A process to kill on a node slot nobody holds lives nowhere: it died with its agent, or its Spawn
+        still waits in the queue for the slot's next holder. Drop what waits for it and tell the Job it is
+        gone, or a job stopping with a node missing would wait forever for exits no agent can report."""
+        assert self.job is not None
+        node = self.job.slots[kill.slot_id].node
+        self.pending[node] = [a for a in self.pending[node] if getattr(a, "slot_id", None) != kill.slot_id]
+        self._execute(self.job.on_exit(kill.slot_id, -int(kill.signum), now,
+                                       cause=f"node slot {node} is vacant"), now)
 
     def _route(self, slot: int, action: Action, queue: bool = True) -> None:
         holder = self.nodes.holder.get(slot)

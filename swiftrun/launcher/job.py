@@ -332,6 +332,12 @@ class Job:
         actions: list[Action] = [Note(f"received {name}: forwarding it to the workers")]
         return actions + self._stop_all(now, 128 + signum, forward=signum)
 
+    def give_up(self, cause: str, now: float) -> list[Action]:
+        """The supervisor above the Job ends it (multi-node: a lost node's slot was never taken back)."""
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            return []
+        return [Note(f"stopping the job: {cause}")] + self._stop_all(now, 1)
+
     def tick(self, now: float, stopped: frozenset[int] = frozenset()) -> list[Action]:
         """Deadlines: silent workers, stalled workers, recovery and shutdown time limits.
 

@@ -1,0 +1,125 @@
+"""The Coordinator's loop in a thread of this process, with ZeroMQ DEALERs standing in for node agents (no
+worker runs): the standalone coordinator's own behaviour, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+
+from swiftrun.config import Entrypoint, EntrypointKind, LaunchConfig, Timeouts
+from swiftrun.errors import LaunchError
+from swiftrun.launcher import _check_free, wait_reachable, wire
+from swiftrun.launcher.coordinator import Coordinator, fingerprint
+from swiftrun.launcher.wire import NodeKind, ReportKind
+from tests.integration.multinode_support import free_port_pair
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(port: int) -> LaunchConfig:
+    return LaunchConfig(
+        entrypoint=Entrypoint(EntrypointKind.SCRIPT, "train.py", ("--lr", "1")), nproc_per_node=1, nnodes=(2, 2),
+        master_addr="127.0.0.1", master_port=port, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_id="j1", external_coordinator=True, spares=0,
+        timeouts=Timeouts(heartbeat_interval=0.1, node_lease=1.0, node_timeout=2.0, shutdown_timeout=1.0,
+                          join_timeout=4.0),
+    )
+
+
+class FakeAgent:
+    def __init__(self, ctx: zmq.Context, port: int, node_rank: int) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.identity = f"node:{node_rank}:test".encode()
+        self.sock.connect(f"tcp://127.0.0.1:{port + 1}")
+        self.node_rank = node_rank
+
+    def send(self, kind: NodeKind, body: dict) -> None:
+        self.sock.send_multipart(wire.encode(kind, body))
+
+    def recv(self, want: NodeKind, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                kind, body = wire.decode(self.sock.recv_multipart())
+                if kind is want:
+                    return body
+        raise AssertionError(f"node {self.node_rank}: no {want.value} within {timeout}s")
+
+    def join(self, config: LaunchConfig) -> dict:
+        self.send(NodeKind.JOIN, {"proto": wire.NODE_PROTOCOL_VERSION, "node_rank": self.node_rank,
+                                  "fingerprint": fingerprint(config), "host": "h", "pid": 1, "registers": True})
+        return self.recv(NodeKind.ACCEPT)
+
+
+@pytest.fixture
+def served(tmp_path):
+    port = free_port_pair()
+    config = _config(port)
+    coordinator = Coordinator(config, tmp_path / "events.jsonl", registers=None, standalone=True)
+    sig_r, sig_w = socket.socketpair()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(coordinator.run(signal_sock=sig_r)), daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+    try:
+        yield config, port, ctx, thread, result, sig_w
+    finally:
+        sig_w.close()
+        thread.join(10)
+        sig_r.close()
+        ctx.destroy(linger=0)
+        assert not thread.is_alive(), "the coordinator lingered"
+
+
+def test_every_node_lost_ends_the_job_and_the_coordinator_after_join_timeout(served, capfd):
+    """Both nodes lost (node 1 first: every rank is respawned, and those Spawns wait in the queue for the slots'
+    next holders): nobody takes the slots back within join_timeout, so the job stops; the kills of processes that
+    live nowhere count as exits, so the coordinator ends instead of waiting for exits no agent can report."""
+    config, port, ctx, thread, result, _ = served
+    agents = [FakeAgent(ctx, port, k) for k in (0, 1)]
+    accepted = [a.join(config) for a in agents]
+    assert [a["slot"] for a in accepted] == [0, 1] and accepted[0]["store_port"] == port
+    for agent in agents:  # the first Spawn of each node, reported started
+        spawn = wire.action_of(agent.recv(NodeKind.DO))
+        agent.send(NodeKind.REPORT, {"what": ReportKind.SPAWNED.value, "slot_id": spawn.slot_id, "data": {"pid": 9}})
+    agents[1].sock.close(linger=0)  # the connection closes: node 1 lost
+    time.sleep(0.3)
+    agents[0].sock.close(linger=0)
+    thread.join(15)
+    assert not thread.is_alive() and result == [1]
+    err = capfd.readouterr().err
+    assert "node slot(s) 1 stayed vacant for more than 4s" in err, err
+
+
+def test_a_signal_before_the_job_starts_ends_it_with_128_plus_the_signal(served):
+    config, port, ctx, thread, result, sig_w = served
+    agent = FakeAgent(ctx, port, 0)
+    agent.join(config)
+    sig_w.send(bytes([signal.SIGTERM]))
+    finish = agent.recv(NodeKind.DO)
+    while finish["type"] != "Finish":
+        finish = agent.recv(NodeKind.DO)
+    assert finish["fields"]["exit_code"] == 128 + signal.SIGTERM
+    agent.sock.close(linger=0)
+    thread.join(10)
+    assert result == [128 + signal.SIGTERM]
+
+
+def test_wait_reachable_and_check_free():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        wait_reachable("127.0.0.1", port, 1.0)  # something listens: returns at once
+        with pytest.raises(LaunchError, match=r"already in use \(--rdzv-endpoint\)"):
+            _check_free("127.0.0.1", port, "--rdzv-endpoint")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="cannot reach the coordinator"):
+        wait_reachable("127.0.0.1", port, 0.5)
+    assert time.monotonic() - t0 < 3
