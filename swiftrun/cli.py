@@ -247,8 +247,10 @@ def resolve_rendezvous(
     return Rendezvous("c10d", endpoint.strip(), rdzv_id, host, port)
 
 
-def resolve_entrypoint(target: str, args: list[str], *, module: bool, no_python: bool, run_path: bool) -> Entrypoint:
-    """Which kind of worker to start; ``--run-path`` takes precedence over ``--no-python``, as in torchrun."""
+def resolve_entrypoint(target: str, args: list[str], *, module: bool, no_python: bool, run_path: bool,
+                       must_exist: bool = True) -> Entrypoint:
+    """Which kind of worker to start; ``--run-path`` takes precedence over ``--no-python``, as in torchrun.
+    ``must_exist=False``: the script runs elsewhere (`swiftrun coordinator` only names the job's script)."""
     if module and no_python:
         raise ConfigError("--no-python and -m/--module cannot be used together")
     if run_path:
@@ -259,7 +261,7 @@ def resolve_entrypoint(target: str, args: list[str], *, module: bool, no_python:
         kind = EntrypointKind.MODULE
     else:
         kind = EntrypointKind.SCRIPT
-    if kind is EntrypointKind.SCRIPT and not os.path.exists(target):
+    if must_exist and kind is EntrypointKind.SCRIPT and not os.path.exists(target):
         raise ConfigError(f"training script {target!r} not found")
     return Entrypoint(kind=kind, target=target, args=tuple(args), run_path=run_path)
 
@@ -711,7 +713,8 @@ def launch(
         if start_method not in START_METHODS:
             raise ConfigError(f"--start-method {start_method!r} is not one of {', '.join(START_METHODS)}")
         entrypoint = resolve_entrypoint(
-            script, script_args or [], module=module, no_python=no_python, run_path=run_path
+            script, script_args or [], module=module, no_python=no_python, run_path=run_path,
+            must_exist=not as_coordinator,
         )
         try:
             recovery_mode = RecoveryMode(recovery)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from swiftrun.config import EntrypointKind, LaunchConfig
-from swiftrun.errors import LaunchError
+from swiftrun.errors import ConfigError, LaunchError
 
 import sys
 
@@ -44,6 +44,8 @@ def coordinate(config: LaunchConfig) -> int:
     from swiftrun.launcher.agent import new_log_root
     from swiftrun.launcher.coordinator import Coordinator, control_endpoint
 
+    if not config.master_port:
+        raise ConfigError("swiftrun coordinator needs a fixed port (--rdzv-endpoint HOST:PORT): the agents must find it")
     _check_free(config.master_addr, config.master_port, "--rdzv-endpoint")
     if config.master_port:
         _check_free(config.master_addr, control_endpoint(config, config.master_port), "--rdzv-conf control_port")

@@ -82,6 +82,10 @@ def test_node_0_killed_mid_run_is_recovered_in_place(tmp_path, marker, takeover)
     for rank in (2, 3):  # node 1's workers: one process each, incarnation 0 throughout
         seen = {(e["pid"], e["incarnation"]) for e in log if e["event"] == "worker_state" and e["rank"] == rank}
         assert len(seen) == 1 and next(iter(seen))[1] == 0, seen
+    lost = next(e for e in log if e["event"] == "node_lost")
+    resumed = next(e for e in log if e["event"] == "recovery_phase" and e["phase"] == "resume")
+    print(f"\nnode 0 {takeover}: node lost -> training resumed in {resumed['t'] - lost['t']:.2f}s "
+          f"(recovery total {ended[0]['total']:.2f}s; load {open('/proc/loadavg').read().split()[0]})")
     _assert_exact(tmp_path, marker)
 
 

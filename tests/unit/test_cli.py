@@ -547,6 +547,12 @@ def test_coordinator_takes_the_agents_command_line(coordinated, launched, monkey
     assert list(config.entrypoint.args) == ["--lr", "3"]
 
 
+def test_coordinator_needs_no_copy_of_the_script(coordinated) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["coordinator", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5", "elsewhere.py"])
+    assert coordinated[0].entrypoint.target == "elsewhere.py"
+
+
 def test_coordinator_refuses_standalone(coordinated, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["coordinator", "--standalone", "--nnodes", "2", "train.py"])
