@@ -46,9 +46,8 @@ def coordinate(config: LaunchConfig) -> int:
 
     if not config.master_port:
         raise ConfigError("swiftrun coordinator needs a fixed port (--rdzv-endpoint HOST:PORT): the agents must find it")
-    _check_free(config.master_addr, config.master_port, "--rdzv-endpoint")
-    if config.master_port:
-        _check_free(config.master_addr, control_endpoint(config, config.master_port), "--rdzv-conf control_port")
+    _check_free(config.master_port, "--rdzv-endpoint")
+    _check_free(control_endpoint(config, config.master_port), "--rdzv-conf control_port")
     log_root = new_log_root(config)
     coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"), registers=None,
                               standalone=True)
@@ -110,20 +109,20 @@ def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
         os.close(stop_w)
 
 
-def _check_free(host: str, port: int, flag: str) -> None:
-    """Fail fast (before importing torch for the store) when the coordinator cannot listen where it must."""
+def _check_free(port: int, flag: str) -> None:
+    """Fail fast (before importing torch for the store) when the coordinator cannot listen where it must. The
+    TCPStore server and the ROUTER listen on every interface, whatever the endpoint's host (which may be a name
+    that only resolves elsewhere, such as a Kubernetes Service), so the port is checked on every interface."""
     import errno
     import socket
 
     try:
         with socket.socket() as probe:
-            probe.bind((host, port))
-    except socket.gaierror as exc:
-        raise LaunchError(f"cannot resolve {host!r} ({flag}): {exc.strerror}") from None
+            probe.bind(("", port))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise LaunchError(f"port {port} on {host} is already in use ({flag}); pick a free port") from None
-        raise LaunchError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None
+            raise LaunchError(f"port {port} is already in use on this host ({flag}); pick a free port") from None
+        raise LaunchError(f"cannot listen on port {port} ({flag}): {exc.strerror or exc}") from None
 
 
 def wait_reachable(host: str, port: int, timeout: float) -> None:

@@ -117,8 +117,8 @@ def test_wait_reachable_and_check_free():
         listener.listen()
         port = listener.getsockname()[1]
         wait_reachable("127.0.0.1", port, 1.0)  # something listens: returns at once
-        with pytest.raises(LaunchError, match=r"already in use \(--rdzv-endpoint\)"):
-            _check_free("127.0.0.1", port, "--rdzv-endpoint")
+        with pytest.raises(LaunchError, match=r"already in use on this host \(--rdzv-endpoint\)"):
+            _check_free(port, "--rdzv-endpoint")
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match="cannot reach the coordinator"):
         wait_reachable("127.0.0.1", port, 0.5)
