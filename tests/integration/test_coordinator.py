@@ -150,6 +150,7 @@ def test_coordinator_port_in_use(tmp_path, marker):
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
+@pytest.mark.extended  # the same, in-process: tests/unit/test_coordinator_process.py
 def test_coordinator_refuses_another_job_and_stops_on_sigterm(tmp_path, marker):
     """The coordinator's own command line is the job's: even the first agent is refused when it differs. A
     SIGTERM before the job started ends the coordinator at once with 128 + 15."""

@@ -3,6 +3,7 @@ worker runs): the standalone coordinator's own behaviour, over real sockets on 1
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import threading
@@ -109,6 +110,20 @@ def test_a_signal_before_the_job_starts_ends_it_with_128_plus_the_signal(served)
     agent.sock.close(linger=0)
     thread.join(10)
     assert result == [128 + signal.SIGTERM]
+
+
+def test_the_coordinators_own_command_line_is_the_jobs(served):
+    """Even the first agent is refused when its job differs from the coordinator's command line."""
+    config, port, ctx, thread, result, sig_w = served
+    agent = FakeAgent(ctx, port, 0)
+    theirs = dataclasses.replace(config, entrypoint=dataclasses.replace(config.entrypoint, args=("--lr", "2")))
+    agent.send(NodeKind.JOIN, {"proto": wire.NODE_PROTOCOL_VERSION, "node_rank": 0, "fingerprint": fingerprint(theirs),
+                               "host": "h", "pid": 1, "registers": True})
+    refused = agent.recv(NodeKind.REFUSE)
+    assert refused["exit_code"] == 2 and "command line differs from the job's: args" in refused["reason"]
+    sig_w.send(bytes([signal.SIGINT]))
+    thread.join(10)
+    assert result == [128 + signal.SIGINT]
 
 
 def test_wait_reachable_and_check_free():
