@@ -1,11 +1,12 @@
-"""The supervisor of one node: ``launch(config)`` runs a job to the end and returns its exit status."""
+"""The supervisor of one node: ``launch(config)`` runs a job to the end and returns its exit status.
+``coordinate(config)`` runs a multi-node job's coordinator alone (``swiftrun coordinator``)."""
 
 from __future__ import annotations
 
+import sys
+
 from swiftrun.config import EntrypointKind, LaunchConfig
 from swiftrun.errors import ConfigError, LaunchError
-
-import sys
 
 
 def launch(config: LaunchConfig) -> int:
@@ -45,7 +46,8 @@ def coordinate(config: LaunchConfig) -> int:
     from swiftrun.launcher.coordinator import Coordinator, control_endpoint
 
     if not config.master_port:
-        raise ConfigError("swiftrun coordinator needs a fixed port (--rdzv-endpoint HOST:PORT): the agents must find it")
+        raise ConfigError("swiftrun coordinator needs a fixed port (--rdzv-endpoint HOST:PORT): the agents must "
+                          "find it")
     _check_free(config.master_port, "--rdzv-endpoint")
     _check_free(control_endpoint(config, config.master_port), "--rdzv-conf control_port")
     log_root = new_log_root(config)

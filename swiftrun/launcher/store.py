@@ -40,7 +40,8 @@ class AgentStore:
                     if self._flag == "--master-port" else "pick a free port"
                 raise LaunchError(f"port {port} on {self.host} is already in use ({self._flag}); {hint}") from None
             if "EADDRNOTAVAIL" in text or "cannot assign" in text.lower():
-                raise LaunchError(f"cannot listen on {self.host}:{port} ({'--master-addr' if self._flag == '--master-port' else self._flag} is not an address of this host)") from None
+                flag = "--master-addr" if self._flag == "--master-port" else self._flag
+                raise LaunchError(f"cannot listen on {self.host}:{port} ({flag} is not an address of this host)") from None
             raise LaunchError(f"could not start the TCPStore on {self.host}:{port}: {text.splitlines()[0]}") from None
         self.port = self._store.port
 

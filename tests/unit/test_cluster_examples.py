@@ -158,5 +158,6 @@ def test_the_coordinator_sbatch_runs_one_job_with_its_coordinator_off_the_traini
     (coordinator,) = served
     assert fingerprint(agent) == fingerprint(coordinator)  # the coordinator accepts these agents
     assert agent.external_coordinator and agent.node_rank == int(procid) and agent.spare_node is spare
-    assert (agent.master_addr, agent.master_port) == (coordinator.master_addr, coordinator.master_port) == ("gpu07", 29400)
+    store = (coordinator.master_addr, coordinator.master_port)
+    assert (agent.master_addr, agent.master_port) == store == ("gpu07", 29400)
     assert coordinator.nnodes == (4, 4) and coordinator.nproc_per_node == 8
