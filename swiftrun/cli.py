@@ -392,6 +392,11 @@ def _fail(err: SwiftrunError) -> NoReturn:
 
 
 COORDINATOR = "coordinator"  # ctx.obj when `swiftrun coordinator ...` parses its (the launcher's) flags
+COORDINATOR_HELP = (
+    "Run a multi-node job's c10d store and control plane on this host, which trains nothing: give it the agents' "
+    "own command line (FLAGS SCRIPT ARGS, no --node-rank) and start every agent with --external-coordinator. "
+    "Losing any training node, node 0 included, is then recovered in place. Exits with the job's status."
+)
 
 
 @app.command(epilog=EPILOG)
@@ -838,7 +843,9 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == COORDINATOR:
         # the launcher's own flags and rules (PET_*, Slurm defaults, abbreviations), a different ending
-        app(args=args[1:], prog_name="swiftrun coordinator", obj=COORDINATOR)
+        command = typer.main.get_command(app)
+        command.help = COORDINATOR_HELP
+        command.main(args=args[1:], prog_name="swiftrun coordinator", obj=COORDINATOR)
         return
     if args and args[0] in SUBCOMMANDS:
         try:
