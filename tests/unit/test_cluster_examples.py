@@ -161,3 +161,40 @@ def test_the_coordinator_sbatch_runs_one_job_with_its_coordinator_off_the_traini
     store = (coordinator.master_addr, coordinator.master_port)
     assert (agent.master_addr, agent.master_port) == store == ("gpu07", 29400)
     assert coordinator.nnodes == (4, 4) and coordinator.nproc_per_node == 8
+
+
+# --- examples/kubernetes/train_dp_coordinator.yaml: the coordinator in a pod of its own ------------------------
+
+
+@pytest.mark.parametrize("index, spare", [(0, False), (4, True)])
+def test_the_coordinator_manifest_runs_one_job_with_its_coordinator_in_its_own_pod(launched, monkeypatch, index,
+                                                                                  spare):
+    from swiftrun import cli
+    from swiftrun.launcher.coordinator import fingerprint
+    import swiftrun.launcher
+
+    service, coordinator_pod, job = yaml.safe_load_all(
+        (EXAMPLES / "kubernetes" / "train_dp_coordinator.yaml").read_text())
+    assert (service["kind"], coordinator_pod["kind"], job["kind"]) == ("Service", "Pod", "Job")
+    pod = coordinator_pod["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["subdomain"] == service["metadata"]["name"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= coordinator_pod["metadata"]["labels"].items()
+    (server,) = pod["containers"]
+    (trainer,) = job["spec"]["template"]["spec"]["containers"]
+    assert server["command"] == ["swiftrun", "coordinator"] and server["args"] == trainer["args"]
+    served: list = []
+    monkeypatch.setattr(swiftrun.launcher, "coordinate", lambda config: served.append(config) or 0, raising=False)
+    for name, value in pod_env(server, 0).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        cli.main(["coordinator", *server["args"]])
+    for name in pod_env(server, 0):
+        monkeypatch.delenv(name)
+    agent = config_of(launched, list(trainer["args"]), env=pod_env(trainer, index))
+    (coordinator,) = served
+    assert fingerprint(agent) == fingerprint(coordinator)  # the coordinator accepts these agents
+    assert agent.external_coordinator and agent.node_rank == index and agent.spare_node is spare
+    host = f"{pod['hostname']}.{pod['subdomain']}"
+    assert (agent.master_addr, agent.master_port) == (coordinator.master_addr, coordinator.master_port) == (host, 29400)
