@@ -143,6 +143,9 @@ class Job:
         self.recovery: Recovery | None = None
         self.last_recovery: Recovery | None = None
         self.swift_started = False  # START sent: every rank registered swiftrun.Run this attempt
+        # ranks whose current slot has not registered swiftrun.Run yet: kept as slots change hands, so checking
+        # "did every rank register?" on each REGISTERED is O(1), not a walk of the world (O(world^2) at start)
+        self._unregistered: set[int] = set()
         self.stop_deadline: float | None = None
         self.exit_code: int | None = None
         self.time_lost = 0.0
@@ -233,6 +236,8 @@ class Job:
             return []
         if kind is EventKind.REGISTERED:
             slot.registered = True
+            if self.rank_slot.get(slot.rank) == slot.slot_id:
+                self._unregistered.discard(slot.rank)
             self.registers = True
             actions: list[Action] = []
             if slot.state is WorkerState.STARTING:
@@ -785,11 +790,11 @@ class Job:
     # ------------------------------------------------------------------ start, finish, spares
 
     def _maybe_start_swift(self, now: float) -> list[Action]:
-        ranks = self._rank_slots()
-        if self.swift_started or not all(s.registered for s in ranks):
+        # O(1) per REGISTERED: the walk over every rank below happens once, when the last one registered
+        if self.swift_started or self._unregistered or len(self.rank_slot) < self.config.world_size:
             return []
         self.swift_started = True
-        return [self._command(s, CommandKind.START, {}) for s in ranks] + self._replenish_spares(now)
+        return [self._command(s, CommandKind.START, {}) for s in self._rank_slots()] + self._replenish_spares(now)
 
     def _maybe_release(self, now: float) -> list[Action]:
         ranks = self._rank_slots()
@@ -845,7 +850,7 @@ class Job:
             spare.joined = False
             spare.join_deadline = now + self.config.timeouts.startup_timeout  # runs the script from the top
             spare.state = WorkerState.STARTING
-            self.rank_slot[rank] = spare.slot_id
+            self._bind_rank(rank, spare)
             # the spare said HELLO already; it joins as soon as it runs the script
             return [
                 Assign(spare.slot_id, rank, incarnation, self.generation, self.attempt),
@@ -855,8 +860,16 @@ class Job:
         slot.replacement = joining
         if joining:
             slot.join_deadline = now + self.config.timeouts.startup_timeout
-        self.rank_slot[rank] = slot.slot_id
+        self._bind_rank(rank, slot)
         return [Spawn(slot.slot_id, rank, incarnation, self.generation, self.attempt, joining, slot.node)]
+
+    def _bind_rank(self, rank: int, slot: Slot) -> None:
+        """``slot`` serves ``rank`` from now on (every change of ``rank_slot`` goes through here)."""
+        self.rank_slot[rank] = slot.slot_id
+        if slot.registered:
+            self._unregistered.discard(rank)
+        else:
+            self._unregistered.add(rank)
 
     def _node_of_rank(self, rank: int) -> int:
         """Stable slots: node slot k owns ranks [k*P, (k+1)*P) for the whole job (0 on one node)."""
@@ -923,7 +936,8 @@ class Job:
         })]
 
     def _rank_slots(self) -> list[Slot]:
-        return [self.slots[sid] for _, sid in sorted(self.rank_slot.items())]
+        # ranks are 0..world-1 once started: index them in order rather than sort the mapping each time
+        return [self.slots[self.rank_slot[rank]] for rank in range(self.config.world_size) if rank in self.rank_slot]
 
     def _live_slots(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.alive]

@@ -517,6 +517,25 @@ def test_start_is_sent_to_every_rank_once_all_registered_and_brings_up_the_spare
     assert sim.event(1, EventKind.REGISTERED) == []  # START goes out once
 
 
+def test_registration_is_counted_per_current_slot_of_each_rank_across_a_start_up_restart():
+    """The O(1) bookkeeping behind START: a rank counts as registered only through the slot serving it now, so
+    registrations of the previous attempt count for nothing and START waits for every new slot."""
+    sim = booting(2, spares=0)
+    sim.event(0, EventKind.REGISTERED)
+    assert sim.job._unregistered == {1}
+    _startup_restart(sim, 1, -SIGKILL)  # a start-up failure: every worker starts again (attempt 1)
+    assert sim.job._unregistered == {0, 1}
+    sim.boot([Spawn(s, r, 1, 0, 1, False) for r, s in enumerate(sim.rank_slots())])
+
+    assert sim.event(0, EventKind.REGISTERED) == []  # an old slot's (stale) registration changes nothing
+    assert sends(sim.event(sim.slot(0), EventKind.REGISTERED), CommandKind.START) == []
+    assert sim.job._unregistered == {1}
+    actions = sim.event(sim.slot(1), EventKind.REGISTERED)
+
+    assert sorted(s.slot_id for s in sends(actions, CommandKind.START)) == sorted(sim.rank_slots())
+    assert sim.job._unregistered == set() and sim.job.swift_started
+
+
 def test_no_spare_is_started_with_spares_zero():
     sim = running(2, spares=0)
     actions = sim.event(0, EventKind.REGISTERED) + sim.event(1, EventKind.REGISTERED)
