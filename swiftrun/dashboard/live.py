@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.text import Text
 
 from swiftrun.dashboard.render import format_clock, format_duration, render, throughput_unit
-from swiftrun.snapshot import JobSnapshot, JobState, RecoveryPhase, WorkerState
+from swiftrun.snapshot import JobSnapshot, JobState, NodeSlotState, NodeView, RecoveryPhase, WorkerState
 
 PREFIX = "[swiftrun]"
 PROGRESS_EVERY_S = 10.0  # job time (snapshot uptime) between two progress lines
@@ -92,8 +92,8 @@ class Dashboard:
 class PlainReporter:
     """One greppable line per visible change, for CI logs, files and pipes.
 
-    Lines start with ``[swiftrun]``: job state changes, worker state changes (ranks that move together share a
-    line), recovery start, each completed recovery phase with its duration, the end of a recovery, and a progress
+    Lines start with ``[swiftrun]``: job state changes, node state changes in a multi-node job (nodes that move
+    together share a line), worker state changes (ranks that move together share a line), recovery start, each completed recovery phase with its duration, the end of a recovery, and a progress
     line at most every :data:`PROGRESS_EVERY_S` seconds of job time while steps advance.
     """
 
@@ -132,6 +132,7 @@ class PlainReporter:
             )
         elif current.state is not previous.state:
             lines.append(_job_state_line(previous.state, current))
+        lines.extend(_node_changes(previous, current))
         lines.extend(_worker_changes(previous, current))
         lines.extend(_recovery_changes(previous, current))
         return lines
@@ -178,6 +179,45 @@ def _job_state_line(was: JobState, current: JobSnapshot) -> str:
             f" ({current.failures} failures, {format_duration(current.time_lost)} lost)"
         )
     return f"job {was.value} -> {current.state.value} (generation {current.generation})"
+
+
+def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:
+    """``node slot 1 (node rank 1, host-b, incarnation 0) live -> lost``; many slots moving together share one
+    line (a 1,000-node job coming up prints one line, not 1,000)."""
+    before: dict[tuple[str, int | None], NodeView] = {} if previous is None else {_node_key(n): n for n in previous.nodes}
+    moves: dict[tuple[NodeSlotState | None, NodeSlotState], list[NodeView]] = defaultdict(list)
+    for node in current.nodes:
+        was = before.get(_node_key(node))
+        new_holder = was is not None and (was.incarnation, was.node_rank) != (node.incarnation, node.node_rank)
+        if previous is None and node.state is NodeSlotState.WAITING:
+            continue
+        if was is not None and was.state is node.state and not new_holder:
+            continue
+        moves[(None if was is None else was.state, node.state)].append(node)
+    lines = []
+    for (was, now), nodes in moves.items():
+        change = now.value if was is None else f"{was.value} -> {now.value}"
+        if now is NodeSlotState.SPARE:
+            for node in nodes:
+                lines.append(f"hot-spare node rank {node.node_rank} ({node.host or '?'}) joined: waiting to take over a "
+                             "lost node slot")
+        elif len(nodes) == 1:
+            lines.append(f"{_node_name(nodes[0])} {change}")
+        else:
+            lines.append(f"node slots {rank_ranges([n.slot for n in nodes if n.slot is not None])} {change}")
+    return lines
+
+
+def _node_key(node: NodeView) -> tuple[str, int | None]:
+    return ("slot", node.slot) if node.slot is not None else ("spare", node.node_rank)
+
+
+def _node_name(node: NodeView) -> str:
+    """``node slot 1 (node rank 1, host-b, incarnation 0)``: the slot, and the machine holding it."""
+    who = [f"node rank {node.node_rank}"] if node.node_rank is not None else []
+    who += [node.host] if node.host else []
+    who += [f"incarnation {node.incarnation}"] if node.incarnation is not None else []
+    return f"node slot {node.slot}" + (f" ({', '.join(who)})" if who else "")
 
 
 def _worker_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:

@@ -21,10 +21,13 @@ def launch(config: LaunchConfig) -> int:
     terminal = Console()
     dashboard = terminal.is_terminal if config.dashboard is None else config.dashboard
     # plain status lines go to stderr, like torchrun's log lines: stdout belongs to the workers' output
-    if config.multinode:
-        # the job's dashboard is the coordinator's; an agent prints plain lines
-        return _launch_node(config, make_reporter(Console(stderr=True), False), new_log_root(config))
     reporter = make_reporter(terminal if dashboard else Console(stderr=True), dashboard)
+    if config.multinode:
+        hosts_coordinator = config.node_rank == 0 and not config.external_coordinator
+        if not hosts_coordinator:
+            # the job's dashboard is the coordinator's (it alone sees every node); an agent prints its notes
+            reporter = make_reporter(Console(stderr=True), False)
+        return _launch_node(config, reporter, new_log_root(config))
     return Agent(config, reporter, new_log_root(config)).run()
 
 
@@ -39,8 +42,9 @@ def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
 
     coordinator = None
     if config.node_rank == 0 and not config.external_coordinator:
+        # the agent starts and stops the reporter; the coordinator's thread feeds it the job's snapshots
         coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"),
-                                  registers=uses_swiftrun(config.entrypoint))
+                                  registers=uses_swiftrun(config.entrypoint), reporter=reporter)
         port = coordinator.port
     else:
         port = control_endpoint(config, config.master_port)

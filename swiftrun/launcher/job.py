@@ -159,6 +159,9 @@ class Job:
         # multi-node: node slots that have no agent right now (lost, not yet taken over); no spare is started
         # there until an agent holds the slot again (on_node_joined)
         self.vacant_nodes: set[int] = set()
+        # multi-node: node slot -> (host, incarnation) of the agent holding it, kept by the coordinator, so that
+        # failure records and the event log name the machine; a lost slot keeps its last holder until retaken
+        self.node_hosts: dict[int, tuple[str, int]] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -312,7 +315,7 @@ class Job:
             if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
                 actions += self._set_state(slot, WorkerState.FAILED, now)
                 continue
-            failed.append((slot, self._failure(slot, now - detect, f"node {node} lost: {cause}")))
+            failed.append((slot, self._failure(slot, now - detect, f"node slot {node} lost: {cause}")))
         if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
             return actions + self._maybe_finish(now)
         if not failed:
@@ -463,7 +466,13 @@ class Job:
                  error_file: str | None = None) -> ProcessFailure:
         """The failure record of ``slot``; by default one the launcher itself ends with SIGKILL (hang, stall)."""
         assert slot.rank is not None
+        where: dict[str, Any] = {}
+        if self.config.multinode:
+            where["node"] = slot.node
+            if slot.node in self.node_hosts:
+                where["hostname"], where["node_incarnation"] = self.node_hosts[slot.node]
         return ProcessFailure(
+            **where,
             rank=slot.rank,
             local_rank=slot.rank % self.config.nproc_per_node,
             pid=slot.pid or 0,
@@ -474,6 +483,12 @@ class Job:
             traceback=slot.traceback,
             error_file=error_file,
         )
+
+    def _where(self, failure: ProcessFailure) -> dict[str, Any]:
+        """Multi-node: the node slot, its incarnation and host, for a failure's event record."""
+        if failure.node is None:
+            return {}
+        return {"node": failure.node, "node_incarnation": failure.node_incarnation, "host": failure.hostname}
 
     def _on_failures(self, failed: list[tuple[Slot, ProcessFailure]], now: float, detect: float) -> list[Action]:
         actions: list[Action] = []
@@ -486,7 +501,7 @@ class Job:
             actions.append(Record(EventName.WORKER_FAILED, {
                 "rank": slot.rank, "incarnation": slot.incarnation, "pid": slot.pid,
                 "cause": failure.cause or failure.describe(), "exitcode": failure.exitcode,
-                "signal": failure.signal_name(), "traceback": failure.traceback,
+                "signal": failure.signal_name(), "traceback": failure.traceback, **self._where(failure),
             }))
             actions.append(Note(failure.describe()))
         cause = "; ".join(f.cause or f.describe() for _, f in failed)
@@ -551,7 +566,7 @@ class Job:
         actions.append(Record(EventName.WORKER_FAILED, {
             "rank": slot.rank, "incarnation": slot.incarnation, "pid": slot.pid,
             "cause": failure.cause or how, "exitcode": failure.exitcode, "signal": failure.signal_name(),
-            "traceback": failure.traceback, "after_release": True,
+            "traceback": failure.traceback, "after_release": True, **self._where(failure),
         }))
         actions.append(Note(
             f"WARNING: training had completed on every rank; afterwards {how}. Not a job failure: the other "
@@ -629,7 +644,7 @@ class Job:
             )
             self.recovery.phase_duration[RecoveryPhase.DETECT] = detect
             actions.append(Record(EventName.RECOVERY_START, {
-                "generation": self.generation, "failed_ranks": list(failed), "cause": cause,
+                "generation": self.generation, "failed_ranks": list(failed), "cause": cause, **self._nodes_of(failed),
             }))
             actions.append(Record(EventName.RECOVERY_PHASE, {
                 "generation": self.generation, "phase": RecoveryPhase.DETECT.value,
@@ -646,7 +661,7 @@ class Job:
             actions.append(Note(f"another failure during recovery: generation {self.generation}"))
             actions.append(Record(EventName.RECOVERY_START, {
                 "generation": self.generation, "failed_ranks": list(rec.failed_ranks), "cause": cause,
-                "during_recovery": True,
+                "during_recovery": True, **self._nodes_of(rec.failed_ranks),
             }))
         rec = self.recovery
         rec.phase_start[RecoveryPhase.ABORT] = now
@@ -669,6 +684,12 @@ class Job:
             f"{', '.join(map(str, failed))}"
         ))
         return actions + self._replenish_spares(now)
+
+    def _nodes_of(self, ranks: tuple[int, ...]) -> dict[str, Any]:
+        """Multi-node: the node slots whose ranks a recovery replaces, for its event record."""
+        if not self.config.multinode:
+            return {}
+        return {"nodes": sorted({self._node_of_rank(rank) for rank in ranks})}
 
     def _slot_done_with_phase(self, slot: Slot) -> bool:
         if self.recovery is None:
