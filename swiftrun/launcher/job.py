@@ -504,7 +504,8 @@ class Job:
                 "signal": failure.signal_name(), "traceback": failure.traceback, **self._where(failure),
             }))
             actions.append(Note(failure.describe()))
-        cause = "; ".join(f.cause or f.describe() for _, f in failed)
+        # a lost node fails its ranks with one cause: say it once
+        cause = "; ".join(dict.fromkeys(f.cause or f.describe() for _, f in failed))
         if self._can_recover_in_place():
             return actions + self._begin_recovery([s.rank for s, _ in failed], cause, now, detect)
         if self._is_startup_failure([f for _, f in failed]):
