@@ -46,6 +46,7 @@ class Dashboard:
         self.console = _as_console(console)
         self._refresh_per_second = refresh_per_second
         self._latest: JobSnapshot | None = None
+        self._drawn: tuple[JobSnapshot, RenderableType] | None = None  # the last snapshot and its renderable
         self._live: Live | None = None
 
     def start(self) -> None:
@@ -83,18 +84,23 @@ class Dashboard:
         self.stop()
 
     def _renderable(self) -> RenderableType:
-        latest = self._latest
+        latest, drawn = self._latest, self._drawn
         if latest is None:
             return Text("swiftrun: waiting for the first snapshot…", style="dim")
-        return render(latest)
+        if drawn is not None and drawn[0] is latest:
+            return drawn[1]  # refreshes outnumber snapshots (10,000 ranks: one per ~2 s); render each once
+        renderable = render(latest)
+        self._drawn = (latest, renderable)
+        return renderable
 
 
 class PlainReporter:
     """One greppable line per visible change, for CI logs, files and pipes.
 
     Lines start with ``[swiftrun]``: job state changes, node state changes in a multi-node job (nodes that move
-    together share a line), worker state changes (ranks that move together share a line), recovery start, each completed recovery phase with its duration, the end of a recovery, and a progress
-    line at most every :data:`PROGRESS_EVERY_S` seconds of job time while steps advance.
+    together share a line), worker state changes (ranks that move together share a line), recovery start, each
+    completed recovery phase with its duration, the end of a recovery, and a progress line at most every
+    :data:`PROGRESS_EVERY_S` seconds of job time while steps advance.
     """
 
     def __init__(self, console: Console | TextIO, progress_every: float = PROGRESS_EVERY_S) -> None:
@@ -184,7 +190,7 @@ def _job_state_line(was: JobState, current: JobSnapshot) -> str:
 def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:
     """``node slot 1 (node rank 1, host-b, incarnation 0) live -> lost``; many slots moving together share one
     line (a 1,000-node job coming up prints one line, not 1,000)."""
-    before: dict[tuple[str, int | None], NodeView] = {} if previous is None else {_node_key(n): n for n in previous.nodes}
+    before = {} if previous is None else {_node_key(node): node for node in previous.nodes}
     moves: dict[tuple[NodeSlotState | None, NodeSlotState], list[NodeView]] = defaultdict(list)
     for node in current.nodes:
         was = before.get(_node_key(node))
@@ -199,8 +205,8 @@ def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[st
         change = now.value if was is None else f"{was.value} -> {now.value}"
         if now is NodeSlotState.SPARE:
             for node in nodes:
-                lines.append(f"hot-spare node rank {node.node_rank} ({node.host or '?'}) joined: waiting to take over a "
-                             "lost node slot")
+                lines.append(f"hot-spare node rank {node.node_rank} ({node.host or '?'}) joined: waiting to take "
+                             "over a lost node slot")
         elif len(nodes) == 1:
             lines.append(f"{_node_name(nodes[0])} {change}")
         else:

@@ -36,7 +36,7 @@ from swiftrun.launcher.nodes import Accepted, Node, NodeTable
 from swiftrun.launcher.store import AgentStore
 from swiftrun.launcher.wire import NodeKind, ReportKind
 from swiftrun.protocol import EventKind
-from swiftrun.snapshot import JobSnapshot
+from swiftrun.snapshot import JobSnapshot, NodeView
 
 FINISH_GRACE = 5.0
 PROGRESS_PERIOD = 0.25  # seconds between sampled progress events in the event log
@@ -66,6 +66,7 @@ class Coordinator:
         self.notes: collections.deque[str] = collections.deque(maxlen=8)
         self.throughput = view.Throughput()
         self._next_publish = 0.0
+        self._nodes_at_end: tuple[NodeView, ...] | None = None  # as the job ended: agents leaving then are not lost
         self.nodes = NodeTable(config.nnodes[0], config.timeouts.node_timeout)
         self.nodes.fingerprint = fingerprint(config)
         self.event_log = EventLog(event_log_path)
@@ -365,6 +366,7 @@ class Coordinator:
         if self.exit_code is not None:
             return
         self.exit_code = code
+        self._nodes_at_end = view.node_views(self.nodes, self.job, self.config.nproc_per_node, now)
         self.nodes.close("it finished" if code == 0 else f"it failed with exit code {code}")
         for node in self.nodes.current():
             self._send(node.identity, NodeKind.DO, wire.action_body(Finish(code)))
@@ -396,7 +398,7 @@ class Coordinator:
     def snapshot(self, now: float) -> JobSnapshot:
         """The whole job as the dashboard shows it, nodes included. Call it on the thread running :meth:`run`
         (it reads the Job); the result is immutable and may go to any thread."""
-        nodes = view.node_views(self.nodes, self.job, self.config.nproc_per_node, now)
+        nodes = self._nodes_at_end or view.node_views(self.nodes, self.job, self.config.nproc_per_node, now)
         common = dict(started_at=self.t0, notes=tuple(self.notes), event_log=str(self.event_log.path))
         if self.job is None:
             return view.waiting_snapshot(self.config, now, nodes=nodes, **common)
