@@ -14,8 +14,8 @@ The layout is sized for a 150x45 terminal whatever the job size:
 A multi-node job (the snapshot has ``nodes``) groups ranks by node: a table of node slots (state, host, node
 rank, incarnation, ranks, agent heartbeat) then the ranks with their node slot. When that does not fit, healthy
 nodes collapse into one summary line and only the problem nodes get a row (lost, rejoining, waiting, quiet
-agent, or any rank not running or notable; most alarming first, at most :data:`MAX_NODE_ROWS`), followed by the
-notable ranks of the nodes still live.
+agent, or a rank of its own failed, being replaced, slow, silent or behind; most alarming first, at most
+:data:`MAX_NODE_ROWS`), followed by the notable ranks of the nodes still live.
 """
 
 from __future__ import annotations
@@ -120,18 +120,14 @@ def render(snapshot: JobSnapshot) -> RenderableType:
     fixed_lines = HEADER_LINES + recovery_lines
     event_floor = EVENT_CHROME_LINES + 1 if snapshot.events else 0
 
-    if snapshot.nodes:
-        ranks_section, ranks_lines = _nodes_section(snapshot, TARGET_HEIGHT - fixed_lines - event_floor)
-        fold = None
+    room = TARGET_HEIGHT - fixed_lines - event_floor
+    ranks_section: RenderableType
+    if snapshot.nodes:  # multi-node: grouped by node
+        ranks_section, ranks_lines = _nodes_section(snapshot, room)
+    elif len(snapshot.ranks) <= FOLD_ABOVE and TABLE_CHROME_LINES + len(snapshot.ranks) <= room:
+        ranks_section, ranks_lines = _rank_table(snapshot.ranks), TABLE_CHROME_LINES + len(snapshot.ranks)
     else:
-        fold = len(snapshot.ranks) > FOLD_ABOVE
-    if fold is False:
-        ranks_lines = TABLE_CHROME_LINES + len(snapshot.ranks)
-        fold = fixed_lines + ranks_lines + event_floor > TARGET_HEIGHT
-    if fold:
-        ranks_section, ranks_lines = _folded_ranks(snapshot, TARGET_HEIGHT - fixed_lines - event_floor)
-    elif fold is False:
-        ranks_section = _rank_table(snapshot.ranks)
+        ranks_section, ranks_lines = _folded_ranks(snapshot, room)
 
     parts: list[RenderableType] = [_header(snapshot), ranks_section]
     if snapshot.recovery is not None:
@@ -356,7 +352,7 @@ def node_rows(snapshot: JobSnapshot, live_notable: list[NotableRank] | None = No
     """Every node with its ranks and problems, most alarming first (healthy live nodes last, in slot order).
 
     A node has a problem when it is not LIVE (lost, rejoining, waiting), when its agent has been quiet for
-    :data:`QUIET_HEARTBEAT_S`, or when one of its ranks is not running or is notable (slow, silent, behind).
+    :data:`QUIET_HEARTBEAT_S`, or when a rank of its own is in trouble (:func:`_rank_problems`).
     Hot-spare nodes come after the problem nodes: worth a row when there is room, never alarming.
     """
     by_node: dict[int, list[RankView]] = {}
@@ -377,6 +373,7 @@ def node_rows(snapshot: JobSnapshot, live_notable: list[NotableRank] | None = No
         if node.state is NodeSlotState.LIVE:
             problems += _rank_problems(ranks, flags)
         rows.append(NodeRow(node, ranks, tuple(problems)))
+
     def order(row: NodeRow) -> tuple[int, int, int, int]:
         if not row.problems:  # spares, then healthy nodes
             return (2 if row.node.state is NodeSlotState.SPARE else 3, 0, 0, row.node.slot or 0)

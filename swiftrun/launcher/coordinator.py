@@ -367,6 +367,7 @@ class Coordinator:
             return
         self.exit_code = code
         self._nodes_at_end = view.node_views(self.nodes, self.job, self.config.nproc_per_node, now)
+        self._publish(now, force=True)  # the final state reaches the dashboard before the agents stop it
         self.nodes.close("it finished" if code == 0 else f"it failed with exit code {code}")
         for node in self.nodes.current():
             self._send(node.identity, NodeKind.DO, wire.action_body(Finish(code)))
