@@ -188,10 +188,12 @@ def _job_state_line(was: JobState, current: JobSnapshot) -> str:
 
 
 def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:
-    """``node slot 1 (node rank 1, host-b, incarnation 0) live -> lost``; many slots moving together share one
+    """``node slot 1 (node rank 1, host-b, incarnation 0) live -> lost``; a slot with a new holder names both
+    (a hot spare can take a lost slot before any snapshot showed it lost); many slots moving together share one
     line (a 1,000-node job coming up prints one line, not 1,000)."""
     before = {} if previous is None else {_node_key(node): node for node in previous.nodes}
     moves: dict[tuple[NodeSlotState | None, NodeSlotState], list[NodeView]] = defaultdict(list)
+    lines = []
     for node in current.nodes:
         was = before.get(_node_key(node))
         new_holder = was is not None and (was.incarnation, was.node_rank) != (node.incarnation, node.node_rank)
@@ -199,16 +201,20 @@ def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[st
             continue
         if was is not None and was.state is node.state and not new_holder:
             continue
+        if was is not None and new_holder and node.slot is not None:
+            lines.append(f"node slot {node.slot} ({_holder(node)}; was {_holder(was)}) "
+                         f"{was.state.value} -> {node.state.value}")
+            continue
         moves[(None if was is None else was.state, node.state)].append(node)
-    lines = []
-    for (was, now), nodes in moves.items():
-        change = now.value if was is None else f"{was.value} -> {now.value}"
+    for (was_state, now), nodes in moves.items():
+        change = now.value if was_state is None else f"{was_state.value} -> {now.value}"
         if now is NodeSlotState.SPARE:
             for node in nodes:
                 lines.append(f"hot-spare node rank {node.node_rank} ({node.host or '?'}) joined: waiting to take "
                              "over a lost node slot")
         elif len(nodes) == 1:
-            lines.append(f"{_node_name(nodes[0])} {change}")
+            holder = _holder(nodes[0])
+            lines.append(f"node slot {nodes[0].slot}" + (f" ({holder})" if holder else "") + f" {change}")
         else:
             lines.append(f"node slots {rank_ranges([n.slot for n in nodes if n.slot is not None])} {change}")
     return lines
@@ -218,12 +224,12 @@ def _node_key(node: NodeView) -> tuple[str, int | None]:
     return ("slot", node.slot) if node.slot is not None else ("spare", node.node_rank)
 
 
-def _node_name(node: NodeView) -> str:
-    """``node slot 1 (node rank 1, host-b, incarnation 0)``: the slot, and the machine holding it."""
+def _holder(node: NodeView) -> str:
+    """``node rank 1, host-b, incarnation 0``: the agent holding (or that last held) a node slot."""
     who = [f"node rank {node.node_rank}"] if node.node_rank is not None else []
     who += [node.host] if node.host else []
     who += [f"incarnation {node.incarnation}"] if node.incarnation is not None else []
-    return f"node slot {node.slot}" + (f" ({', '.join(who)})" if who else "")
+    return ", ".join(who)
 
 
 def _worker_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:

@@ -171,9 +171,22 @@ def test_plain_reporter_names_node_slot_host_and_incarnation_on_every_node_chang
     assert "[swiftrun] node slots 0-999 live" in lines  # 1,000 nodes coming up: one line
     assert "[swiftrun] hot-spare node rank 1000 (spare-0) joined: waiting to take over a lost node slot" in lines
     assert "[swiftrun] node slot 1 (node rank 1, host-1, incarnation 0) live -> lost" in lines
-    assert "[swiftrun] node slot 1 (node rank 1000, spare-0, incarnation 1) lost -> rejoining" in lines
+    assert ("[swiftrun] node slot 1 (node rank 1000, spare-0, incarnation 1; was node rank 1, host-1, incarnation 0)"
+            " lost -> rejoining") in lines
     assert "[swiftrun] node slot 1 (node rank 1000, spare-0, incarnation 1) rejoining -> live" in lines
     assert sum(line.startswith("[swiftrun] node slot") for line in lines) == 4  # one line per change, no repeats
+
+
+def test_plain_reporter_names_both_holders_when_a_hot_spare_took_a_slot_between_two_snapshots():
+    out = io.StringIO()
+    reporter = PlainReporter(out)
+    ranks, nodes = cluster(2, 2, spares=1)
+    reporter.update(multinode(ranks, nodes))
+    rejoin(ranks, nodes, 1, "spare-0", 2)  # lost and taken over at once: no snapshot saw it lost
+    reporter.update(multinode(ranks, nodes[:-1]))
+
+    assert ("[swiftrun] node slot 1 (node rank 2, spare-0, incarnation 1; was node rank 1, host-1, incarnation 0)"
+            " live -> rejoining") in plain_lines(out)
 
 
 # --- the snapshot builder, on the real node table and supervisor ------------------------------------------------
