@@ -196,7 +196,9 @@ def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[st
     lines = []
     for node in current.nodes:
         was = before.get(_node_key(node))
-        new_holder = was is not None and (was.incarnation, was.node_rank) != (node.incarnation, node.node_rank)
+        # a new holder of a slot that had one (a slot's first agent, after WAITING, is no change of holder)
+        new_holder = was is not None and was.node_rank is not None and \
+            (was.incarnation, was.node_rank) != (node.incarnation, node.node_rank)
         if previous is None and node.state is NodeSlotState.WAITING:
             continue
         if was is not None and was.state is node.state and not new_holder:

@@ -159,6 +159,8 @@ def test_plain_reporter_names_node_slot_host_and_incarnation_on_every_node_chang
     out = io.StringIO()
     reporter = PlainReporter(out)
     ranks, nodes = cluster(1000, 2, spares=1)
+    reporter.update(multinode([], [NodeView(n.slot, NodeSlotState.WAITING, ranks=n.ranks) for n in nodes[:1000]],
+                              world_size=2000, state=JobState.STARTING))
     reporter.update(multinode(ranks, nodes))
     lose(ranks, nodes, 1)
     reporter.update(multinode(ranks, nodes))
@@ -168,7 +170,7 @@ def test_plain_reporter_names_node_slot_host_and_incarnation_on_every_node_chang
     reporter.update(multinode(ranks, nodes[:-1]))
 
     lines = plain_lines(out)
-    assert "[swiftrun] node slots 0-999 live" in lines  # 1,000 nodes coming up: one line
+    assert "[swiftrun] node slots 0-999 waiting -> live" in lines  # 1,000 nodes coming up: one line
     assert "[swiftrun] hot-spare node rank 1000 (spare-0) joined: waiting to take over a lost node slot" in lines
     assert "[swiftrun] node slot 1 (node rank 1, host-1, incarnation 0) live -> lost" in lines
     assert ("[swiftrun] node slot 1 (node rank 1000, spare-0, incarnation 1; was node rank 1, host-1, incarnation 0)"
