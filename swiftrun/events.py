@@ -19,9 +19,10 @@ from typing import Any, Iterable, Iterator, TextIO
 class EventName(str, enum.Enum):
     JOB_START = "job_start"  # config, world_size, script, pid
     WORKER_STATE = "worker_state"  # rank, incarnation, pid, state, previous
-    WORKER_FAILED = "worker_failed"  # rank, incarnation, pid, cause, exitcode, signal, traceback
+    WORKER_FAILED = "worker_failed"  # rank, incarnation, pid, cause, exitcode, signal, traceback (+ node,
+    #                                  node_incarnation, host on several nodes)
     PROGRESS = "progress"  # step, loss, step_time, steps_per_s (sampled, at most a few per second)
-    RECOVERY_START = "recovery_start"  # generation, failed_ranks, cause
+    RECOVERY_START = "recovery_start"  # generation, failed_ranks, cause (+ nodes: node slots, on several nodes)
     RECOVERY_PHASE = "recovery_phase"  # generation, phase, start (t of phase start), duration
     RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, lost_steps
     LOG_PLAN = "log_plan"  # pipelines: the logging groups chosen under --log-budget and their predicted cost
@@ -31,7 +32,7 @@ class EventName(str, enum.Enum):
     JOB_END = "job_end"  # outcome, exit_code, duration, failures, time_lost
     # multi-node (written by the coordinator)
     NODE_JOINED = "node_joined"  # node_rank, slot (None: a hot spare), incarnation, host, pid
-    NODE_LOST = "node_lost"  # node_rank, slot, incarnation, cause
+    NODE_LOST = "node_lost"  # node_rank, slot, incarnation, cause, host
     NODE_TAKEOVER = "node_takeover"  # node_rank (the spare's), slot, incarnation
 
 

@@ -28,6 +28,37 @@ class Failure:
     t: float
     rank: int | None
     cause: str
+    node: int | None = None  # multi-node: the node slot that ran it
+    host: str | None = None
+    node_incarnation: int | None = None
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who held a node slot: an agent, by the node rank it was started with, its host and the slot's incarnation."""
+
+    node_rank: int | None
+    host: str | None
+    incarnation: int | None
+    spare: bool = False  # a hot-spare node that took the slot over
+
+    def describe(self) -> str:
+        what = "hot-spare node rank" if self.spare else "node rank"
+        parts = [f"{what} {'?' if self.node_rank is None else self.node_rank}"]
+        parts += [self.host] if self.host else []
+        parts += [] if self.incarnation is None else [f"incarnation {self.incarnation}"]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """A node slot lost, taken over by a hot spare, or rejoined by its restarted node; a hot spare joining."""
+
+    t: float
+    slot: int | None  # None: a hot-spare node joined
+    what: str  # "lost", "taken over", "rejoined", "spare joined"
+    holder: Holder
+    cause: str = ""
 
 
 @dataclass
@@ -44,6 +75,8 @@ class Recovery:
     total: float | None = None  # seconds from failure to resume, as the supervisor measured it
     lost_steps: int | None = None
     replays: list[str] = field(default_factory=list)  # pipelines: "ranks 2, 3 replayed steps 4..5"
+    nodes: tuple[int, ...] = ()  # multi-node: the node slots whose ranks it replaced
+    holders: dict[int, tuple[Holder | None, Holder | None]] = field(default_factory=dict)  # slot -> before, after
 
 
 @dataclass(frozen=True)
@@ -58,6 +91,7 @@ class Restart:
 class JobSummary:
     script: str | None = None
     world_size: int | None = None
+    nnodes: int | None = None
     outcome: str = "running"  # "running" until a job_end says otherwise
     exit_code: int | None = None
     duration: float = 0.0
@@ -66,6 +100,7 @@ class JobSummary:
     failures: list[Failure] = field(default_factory=list)
     recoveries: list[Recovery] = field(default_factory=list)
     restarts: list[Restart] = field(default_factory=list)
+    node_events: list[NodeEvent] = field(default_factory=list)  # multi-node: membership changes after the start
     log_plan: str | None = None  # pipelines: the logging groups chosen under --log-budget
     time_lost: float = 0.0
     finished: bool = False
@@ -85,6 +120,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> JobSummary:
     restart_events: list[dict[str, Any]] = []
     reported_time_lost: float | None = None
     last_t = 0.0
+    holders: dict[int, Holder] = {}  # node slot -> its current (or last) holder, as the log goes
+    filled = False  # every node slot was held once: later joins are rejoins
 
     for event in events:
         t = float(event.get("t", last_t))
@@ -93,12 +130,19 @@ def summarize(events: Iterable[dict[str, Any]]) -> JobSummary:
         if name == EventName.JOB_START:
             summary.script = event.get("script")
             summary.world_size = event.get("world_size")
+            summary.nnodes = event.get("nnodes")
         elif name == EventName.PROGRESS and event.get("step") is not None:
             summary.progress.append((t, int(event["step"])))
         elif name == EventName.WORKER_FAILED:
-            summary.failures.append(Failure(t, event.get("rank"), str(event.get("cause", "unknown cause"))))
+            summary.failures.append(Failure(t, event.get("rank"), str(event.get("cause", "unknown cause")),
+                                            event.get("node"), event.get("host"), event.get("node_incarnation")))
         elif name == EventName.RECOVERY_START:
-            _start_recovery(recoveries, event, t)
+            recovery = _start_recovery(recoveries, event, t)
+            for slot in recovery.nodes:
+                if slot not in recovery.holders:
+                    recovery.holders[slot] = (holders.get(slot), None)
+        elif name in (EventName.NODE_JOINED, EventName.NODE_TAKEOVER, EventName.NODE_LOST):
+            filled = _node_event(summary, recoveries, holders, event, t, filled)
         elif name == EventName.RECOVERY_PHASE:
             recovery = _recovery_for(recoveries, event, t)
             if event.get("duration") is not None:
@@ -139,10 +183,42 @@ def summarize(events: Iterable[dict[str, Any]]) -> JobSummary:
     return summary
 
 
-def _start_recovery(recoveries: dict[int, Recovery], event: dict[str, Any], t: float) -> None:
+def _node_event(summary: JobSummary, recoveries: dict[int, Recovery], holders: dict[int, Holder],
+                event: dict[str, Any], t: float, filled: bool) -> bool:
+    """Fold one node event; returns whether every node slot has been held once (the job started)."""
+    name, slot = event["event"], event.get("slot")
+    node_rank, incarnation = event.get("node_rank"), event.get("incarnation")
+    if name == EventName.NODE_LOST:
+        holder = holders.get(slot) if slot is not None else None
+        if holder is None or holder.incarnation != incarnation:
+            holder = Holder(node_rank, event.get("host"), incarnation)
+        summary.node_events.append(NodeEvent(t, slot, "lost", holder, str(event.get("cause", ""))))
+        return filled
+    if slot is None:
+        summary.node_events.append(NodeEvent(t, None, "spare joined", Holder(node_rank, event.get("host"), None)))
+        return filled
+    takeover = name == EventName.NODE_TAKEOVER
+    host = event.get("host")
+    if takeover and host is None:  # a takeover names the spare by its node rank: its host came with its JOIN
+        host = next((e.holder.host for e in reversed(summary.node_events)
+                     if e.what == "spare joined" and e.holder.node_rank == node_rank), None)
+    holder = Holder(node_rank, host, incarnation, spare=takeover)
+    holders[slot] = holder
+    if takeover or filled:
+        summary.node_events.append(NodeEvent(t, slot, "taken over" if takeover else "rejoined", holder))
+    for recovery in recoveries.values():
+        before, after = recovery.holders.get(slot, (None, None))
+        if slot in recovery.holders and after is None and recovery.t_end is None:
+            recovery.holders[slot] = (before, holder)
+    nnodes = summary.nnodes
+    return filled or (nnodes is not None and len(holders) >= int(nnodes))
+
+
+def _start_recovery(recoveries: dict[int, Recovery], event: dict[str, Any], t: float) -> Recovery:
     generation = int(event.get("generation", max(recoveries, default=0) + 1))
     cause = str(event.get("cause", "unknown cause"))
     failed_ranks = tuple(event.get("failed_ranks") or ())
+    nodes = tuple(int(n) for n in event.get("nodes") or ())
     ongoing = next((recovery for recovery in recoveries.values() if recovery.t_end is None), None)
     if event.get("during_recovery") and ongoing is not None:
         # Another failure mid-recovery: the supervisor carries on with the same recovery in a new generation,
@@ -151,9 +227,12 @@ def _start_recovery(recoveries: dict[int, Recovery], event: dict[str, Any], t: f
         ongoing.generation = generation
         ongoing.cause = f"{ongoing.cause}; then {cause}"
         ongoing.failed_ranks = failed_ranks or ongoing.failed_ranks
+        ongoing.nodes = tuple(sorted(set(ongoing.nodes) | set(nodes)))
         recoveries[generation] = ongoing
-        return
-    recoveries[generation] = Recovery(generation=generation, t_start=t, cause=cause, failed_ranks=failed_ranks)
+        return ongoing
+    recoveries[generation] = Recovery(generation=generation, t_start=t, cause=cause, failed_ranks=failed_ranks,
+                                      nodes=nodes)
+    return recoveries[generation]
 
 
 def _recovery_for(recoveries: dict[int, Recovery], event: dict[str, Any], t: float) -> Recovery:
@@ -204,10 +283,17 @@ def format_summary(summary: JobSummary, source: Path) -> list[str]:
     lines.append(f"duration:   {summary.duration:.1f} s")
     lines.append(f"steps:      {'-' if summary.steps is None else summary.steps}")
 
+    if summary.nnodes is not None and (summary.nnodes > 1 or summary.node_events):
+        lines.extend(_node_lines(summary))
     lines.append(f"failures:   {len(summary.failures)}")
     for failure in summary.failures:
         who = "?" if failure.rank is None else failure.rank
-        lines.append(f"  t={failure.t:.1f}s  rank {who}: {failure.cause}")
+        where = ""
+        if failure.node is not None:
+            details = [failure.host] if failure.host else []
+            details += [] if failure.node_incarnation is None else [f"incarnation {failure.node_incarnation}"]
+            where = f" on node slot {failure.node}" + (f" ({', '.join(details)})" if details else "")
+        lines.append(f"  t={failure.t:.1f}s  rank {who}{where}: {failure.cause}")
 
     lines.append(f"recoveries: {len(summary.recoveries)}")
     for recovery in summary.recoveries:
@@ -223,6 +309,22 @@ def format_summary(summary: JobSummary, source: Path) -> list[str]:
     lines.append(f"time lost:  {summary.time_lost:.2f} s")
     goodput = summary.goodput
     lines.append(f"goodput:    {'-' if goodput is None else f'{goodput:.1%}'}")
+    return lines
+
+
+def _node_lines(summary: JobSummary) -> list[str]:
+    counts = {what: sum(1 for e in summary.node_events if e.what == what)
+              for what in ("lost", "taken over", "rejoined", "spare joined")}
+    figures = [f"{summary.nnodes} node slots"] + [f"{n} {what}" for what, n in counts.items() if n]
+    lines = [f"nodes:      {', '.join(figures)}"]
+    for event in summary.node_events:
+        if event.slot is None:
+            lines.append(f"  t={event.t:.1f}s  hot spare joined: {event.holder.describe()}")
+        elif event.what == "lost":
+            cause = f": {event.cause}" if event.cause else ""
+            lines.append(f"  t={event.t:.1f}s  node slot {event.slot} lost ({event.holder.describe()}){cause}")
+        else:
+            lines.append(f"  t={event.t:.1f}s  node slot {event.slot} {event.what} by {event.holder.describe()}")
     return lines
 
 
@@ -245,7 +347,14 @@ def _recovery_lines(recovery: Recovery) -> list[str]:
     order += [name for name in recovery.phases if name not in order]
     phases = "  ".join(f"{name} {recovery.phases[name] * 1000:.0f}" for name in order)
     replays = [f"    replay: {text}" for text in recovery.replays]
-    return [head, f"    phases (ms): {phases or 'none recorded'}", *replays]
+    nodes = []
+    for slot in recovery.nodes:
+        before, after = recovery.holders.get(slot, (None, None))
+        text = f"    node slot {slot}: {before.describe() if before else 'holder unknown'}"
+        if after is not None and after != before:
+            text += f" -> {after.describe()}"
+        nodes.append(text)
+    return [head, f"    phases (ms): {phases or 'none recorded'}", *nodes, *replays]
 
 
 # --- plot -------------------------------------------------------------------------------------------------------

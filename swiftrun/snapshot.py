@@ -68,6 +68,34 @@ class RecoveryPhase(str, enum.Enum):
     RESUME = "resume"  # every rank recovered -> RESUME sent
 
 
+class NodeSlotState(str, enum.Enum):
+    """A node as the multi-node dashboard shows it: a node slot (which owns a fixed range of ranks), or a
+    hot-spare node that holds none yet.
+
+    WAITING: no agent joined this slot yet (the job is starting); LIVE: its agent is heard from and its ranks
+    are not being replaced; LOST: its agent is gone (connection closed, silent, fenced) and nobody took the slot
+    yet; REJOINING: a new incarnation holds the slot (the node restarted, or a hot spare took it over) and its
+    ranks are still being replaced; SPARE: a hot-spare node waiting for a slot to take over.
+    """
+
+    WAITING = "waiting"
+    LIVE = "live"
+    REJOINING = "rejoining"
+    LOST = "lost"
+    SPARE = "spare"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    slot: int | None  # the node slot; None for a hot-spare node
+    state: NodeSlotState
+    node_rank: int | None = None  # what its agent was started with (a spare that took slot k: still its own)
+    host: str | None = None
+    incarnation: int | None = None  # of the slot: how many agents held it before this one
+    ranks: tuple[int, ...] = ()  # the ranks this slot owns (stable for the whole job)
+    heartbeat_age: float | None = None  # seconds since its agent's last message
+
+
 @dataclass(frozen=True)
 class RankView:
     rank: int
@@ -80,6 +108,7 @@ class RankView:
     heartbeat_age: float | None = None  # seconds since the last message from this worker
     restarts: int = 0  # how many times this rank was replaced or restarted
     metrics: dict[str, float] = field(default_factory=dict)
+    node: int | None = None  # multi-node: the node slot that owns this rank
 
 
 @dataclass(frozen=True)
@@ -117,3 +146,4 @@ class JobSnapshot:
     recovery: RecoveryView | None = None  # the current recovery, else the last one
     events: tuple[str, ...] = ()  # newest last, already formatted for humans
     event_log: str | None = None
+    nodes: tuple[NodeView, ...] = ()  # multi-node: every node slot in order, then the hot-spare nodes

@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.text import Text
 
 from swiftrun.dashboard.render import format_clock, format_duration, render, throughput_unit
-from swiftrun.snapshot import JobSnapshot, JobState, RecoveryPhase, WorkerState
+from swiftrun.snapshot import JobSnapshot, JobState, NodeSlotState, NodeView, RecoveryPhase, WorkerState
 
 PREFIX = "[swiftrun]"
 PROGRESS_EVERY_S = 10.0  # job time (snapshot uptime) between two progress lines
@@ -46,6 +46,7 @@ class Dashboard:
         self.console = _as_console(console)
         self._refresh_per_second = refresh_per_second
         self._latest: JobSnapshot | None = None
+        self._drawn: tuple[JobSnapshot, RenderableType] | None = None  # the last snapshot and its renderable
         self._live: Live | None = None
 
     def start(self) -> None:
@@ -83,18 +84,23 @@ class Dashboard:
         self.stop()
 
     def _renderable(self) -> RenderableType:
-        latest = self._latest
+        latest, drawn = self._latest, self._drawn
         if latest is None:
             return Text("swiftrun: waiting for the first snapshot…", style="dim")
-        return render(latest)
+        if drawn is not None and drawn[0] is latest:
+            return drawn[1]  # refreshes outnumber snapshots (10,000 ranks: one per ~2 s); render each once
+        renderable = render(latest)
+        self._drawn = (latest, renderable)
+        return renderable
 
 
 class PlainReporter:
     """One greppable line per visible change, for CI logs, files and pipes.
 
-    Lines start with ``[swiftrun]``: job state changes, worker state changes (ranks that move together share a
-    line), recovery start, each completed recovery phase with its duration, the end of a recovery, and a progress
-    line at most every :data:`PROGRESS_EVERY_S` seconds of job time while steps advance.
+    Lines start with ``[swiftrun]``: job state changes, node state changes in a multi-node job (nodes that move
+    together share a line), worker state changes (ranks that move together share a line), recovery start, each
+    completed recovery phase with its duration, the end of a recovery, and a progress line at most every
+    :data:`PROGRESS_EVERY_S` seconds of job time while steps advance.
     """
 
     def __init__(self, console: Console | TextIO, progress_every: float = PROGRESS_EVERY_S) -> None:
@@ -132,6 +138,7 @@ class PlainReporter:
             )
         elif current.state is not previous.state:
             lines.append(_job_state_line(previous.state, current))
+        lines.extend(_node_changes(previous, current))
         lines.extend(_worker_changes(previous, current))
         lines.extend(_recovery_changes(previous, current))
         return lines
@@ -178,6 +185,53 @@ def _job_state_line(was: JobState, current: JobSnapshot) -> str:
             f" ({current.failures} failures, {format_duration(current.time_lost)} lost)"
         )
     return f"job {was.value} -> {current.state.value} (generation {current.generation})"
+
+
+def _node_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:
+    """``node slot 1 (node rank 1, host-b, incarnation 0) live -> lost``; a slot with a new holder names both
+    (a hot spare can take a lost slot before any snapshot showed it lost); many slots moving together share one
+    line (a 1,000-node job coming up prints one line, not 1,000)."""
+    before = {} if previous is None else {_node_key(node): node for node in previous.nodes}
+    moves: dict[tuple[NodeSlotState | None, NodeSlotState], list[NodeView]] = defaultdict(list)
+    lines = []
+    for node in current.nodes:
+        was = before.get(_node_key(node))
+        # a new holder of a slot that had one (a slot's first agent, after WAITING, is no change of holder)
+        new_holder = was is not None and was.node_rank is not None and \
+            (was.incarnation, was.node_rank) != (node.incarnation, node.node_rank)
+        if previous is None and node.state is NodeSlotState.WAITING:
+            continue
+        if was is not None and was.state is node.state and not new_holder:
+            continue
+        if was is not None and new_holder and node.slot is not None:
+            lines.append(f"node slot {node.slot} ({_holder(node)}; was {_holder(was)}) "
+                         f"{was.state.value} -> {node.state.value}")
+            continue
+        moves[(None if was is None else was.state, node.state)].append(node)
+    for (was_state, now), nodes in moves.items():
+        change = now.value if was_state is None else f"{was_state.value} -> {now.value}"
+        if now is NodeSlotState.SPARE:
+            for node in nodes:
+                lines.append(f"hot-spare node rank {node.node_rank} ({node.host or '?'}) joined: waiting to take "
+                             "over a lost node slot")
+        elif len(nodes) == 1:
+            holder = _holder(nodes[0])
+            lines.append(f"node slot {nodes[0].slot}" + (f" ({holder})" if holder else "") + f" {change}")
+        else:
+            lines.append(f"node slots {rank_ranges([n.slot for n in nodes if n.slot is not None])} {change}")
+    return lines
+
+
+def _node_key(node: NodeView) -> tuple[str, int | None]:
+    return ("slot", node.slot) if node.slot is not None else ("spare", node.node_rank)
+
+
+def _holder(node: NodeView) -> str:
+    """``node rank 1, host-b, incarnation 0``: the agent holding (or that last held) a node slot."""
+    who = [f"node rank {node.node_rank}"] if node.node_rank is not None else []
+    who += [node.host] if node.host else []
+    who += [f"incarnation {node.incarnation}"] if node.incarnation is not None else []
+    return ", ".join(who)
 
 
 def _worker_changes(previous: JobSnapshot | None, current: JobSnapshot) -> list[str]:

@@ -10,6 +10,12 @@ The layout is sized for a 150x45 terminal whatever the job size:
   spread) and only the notable ranks (not running, slowest, silent, behind), at most :data:`MAX_NOTABLE_ROWS`;
 - the current or last recovery (4 lines): cause, every phase with its duration, mode, source, total;
 - the tail of notable events, shrunk first when lines run short.
+
+A multi-node job (the snapshot has ``nodes``) groups ranks by node: a table of node slots (state, host, node
+rank, incarnation, ranks, agent heartbeat) then the ranks with their node slot. When that does not fit, healthy
+nodes collapse into one summary line and only the problem nodes get a row (lost, rejoining, waiting, quiet
+agent, or a rank of its own failed, being replaced, slow, silent or behind; most alarming first, at most
+:data:`MAX_NODE_ROWS`), followed by the notable ranks of the nodes still live.
 """
 
 from __future__ import annotations
@@ -24,13 +30,24 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from swiftrun.snapshot import JobSnapshot, JobState, RankView, RecoveryPhase, RecoveryView, WorkerState
+from swiftrun.snapshot import (
+    JobSnapshot,
+    JobState,
+    NodeSlotState,
+    NodeView,
+    RankView,
+    RecoveryPhase,
+    RecoveryView,
+    WorkerState,
+)
 
 TARGET_HEIGHT = 45  # lines; the dashboard must fit a 150x45 terminal
 FOLD_ABOVE = 32  # ranks; more than this and only the notable ranks get a row
 MAX_NOTABLE_ROWS = 20  # rows in the folded table, so a job with 4096 failed ranks still fits
 MAX_EVENT_LINES = 5
 TOP_FEW = 3  # how many slowest / most silent / furthest behind ranks a folded view names
+MAX_NODE_ROWS = 8  # node rows in a collapsed multi-node view: the ranks of live nodes need room too
+NODE_SUMMARY_LINES = 2  # multi-node, collapsed: counts per node state; the collapsed nodes' line
 
 # Heights of the fixed sections, so the ranks and the event tail can share what is left.
 HEADER_LINES = 4  # panel borders + 2 lines
@@ -69,6 +86,18 @@ JOB_STATE_STYLES: dict[JobState, str] = {
     JobState.FAILED: "bold red",
 }
 
+NODE_STATE_STYLES: dict[NodeSlotState, str] = {
+    NodeSlotState.WAITING: "cyan",
+    NodeSlotState.LIVE: "green",
+    NodeSlotState.REJOINING: "bright_cyan",
+    NodeSlotState.LOST: "bold red",
+    NodeSlotState.SPARE: "blue",
+}
+# Most alarming first; a LIVE node with a problem rank sorts after these, a healthy one is never listed.
+_NODE_SEVERITY: tuple[NodeSlotState, ...] = (
+    NodeSlotState.LOST, NodeSlotState.REJOINING, NodeSlotState.WAITING, NodeSlotState.LIVE, NodeSlotState.SPARE,
+)
+
 # Most alarming first: the folded view lists non-running ranks in this order.
 _STATE_SEVERITY: tuple[WorkerState, ...] = (
     WorkerState.FAILED,
@@ -91,14 +120,14 @@ def render(snapshot: JobSnapshot) -> RenderableType:
     fixed_lines = HEADER_LINES + recovery_lines
     event_floor = EVENT_CHROME_LINES + 1 if snapshot.events else 0
 
-    fold = len(snapshot.ranks) > FOLD_ABOVE
-    if not fold:
-        ranks_lines = TABLE_CHROME_LINES + len(snapshot.ranks)
-        fold = fixed_lines + ranks_lines + event_floor > TARGET_HEIGHT
-    if fold:
-        ranks_section, ranks_lines = _folded_ranks(snapshot, TARGET_HEIGHT - fixed_lines - event_floor)
+    room = TARGET_HEIGHT - fixed_lines - event_floor
+    ranks_section: RenderableType
+    if snapshot.nodes:  # multi-node: grouped by node
+        ranks_section, ranks_lines = _nodes_section(snapshot, room)
+    elif len(snapshot.ranks) <= FOLD_ABOVE and TABLE_CHROME_LINES + len(snapshot.ranks) <= room:
+        ranks_section, ranks_lines = _rank_table(snapshot.ranks), TABLE_CHROME_LINES + len(snapshot.ranks)
     else:
-        ranks_section = _rank_table(snapshot.ranks)
+        ranks_section, ranks_lines = _folded_ranks(snapshot, room)
 
     parts: list[RenderableType] = [_header(snapshot), ranks_section]
     if snapshot.recovery is not None:
@@ -131,6 +160,9 @@ def _header(snapshot: JobSnapshot) -> Panel:
     figures.append("  ·  ")
     losses = f"{failures}, {format_duration(snapshot.time_lost)} lost"
     figures.append(losses, style="yellow" if snapshot.failures else "")
+    if snapshot.nodes:
+        figures.append("  ·  ")
+        figures.append_text(_node_counts(snapshot.nodes))
     if snapshot.event_log:
         figures.append(f"  ·  log {snapshot.event_log}", style="dim")
     return Panel(Group(identity, figures), title="swiftrun", title_align="left", box=box.ROUNDED)
@@ -146,9 +178,9 @@ def throughput_unit(snapshot: JobSnapshot) -> str:
 # --- ranks ------------------------------------------------------------------------------------------------------
 
 
-def _new_rank_table(note_column: bool) -> Table:
+def _new_rank_table(note_column: bool, node_column: bool = False) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-    for name in ("rank", "local", "pid"):
+    for name in (("node",) if node_column else ()) + ("rank", "local", "pid"):
         table.add_column(name, justify="right")
     table.add_column("state")
     for name in ("step", "loss", "step ms", "heartbeat", "restarts"):
@@ -158,11 +190,12 @@ def _new_rank_table(note_column: bool) -> Table:
     return table
 
 
-def _rank_cells(rank: RankView) -> list[RenderableType]:
+def _rank_cells(rank: RankView, node_column: bool = False) -> list[RenderableType]:
     heartbeat = Text(_fmt_age(rank.heartbeat_age))
     if rank.heartbeat_age is not None and rank.heartbeat_age >= QUIET_HEARTBEAT_S and not rank.state.terminal:
         heartbeat.stylize("bold red")
-    return [
+    node: list[RenderableType] = ["-" if rank.node is None else str(rank.node)] if node_column else []
+    return node + [
         str(rank.rank),
         str(rank.local_rank),
         "-" if rank.pid is None else str(rank.pid),
@@ -297,6 +330,220 @@ def _spread_line(ranks: tuple[RankView, ...]) -> str:
 
 def _by_severity(item: tuple[WorkerState, int]) -> int:
     return _STATE_SEVERITY.index(item[0])
+
+
+# --- nodes (multi-node) ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node: NodeView
+    ranks: tuple[RankView, ...]  # the ranks this node slot owns, in the snapshot
+    problems: tuple[str, ...]  # why it is listed; empty: healthy
+
+
+def live_node_ranks(snapshot: JobSnapshot) -> tuple[list[NotableRank], Counter[WorkerState]]:
+    """:func:`notable_ranks` among the ranks of LIVE nodes: a lost or rejoining node's row says what its ranks do."""
+    live_slots = {node.slot for node in snapshot.nodes if node.state is NodeSlotState.LIVE}
+    return notable_ranks(tuple(rank for rank in snapshot.ranks if rank.node in live_slots))
+
+
+def node_rows(snapshot: JobSnapshot, live_notable: list[NotableRank] | None = None) -> list[NodeRow]:
+    """Every node with its ranks and problems, most alarming first (healthy live nodes last, in slot order).
+
+    A node has a problem when it is not LIVE (lost, rejoining, waiting), when its agent has been quiet for
+    :data:`QUIET_HEARTBEAT_S`, or when a rank of its own is in trouble (:func:`_rank_problems`).
+    Hot-spare nodes come after the problem nodes: worth a row when there is room, never alarming.
+    """
+    by_node: dict[int, list[RankView]] = {}
+    for rank in snapshot.ranks:
+        if rank.node is not None:
+            by_node.setdefault(rank.node, []).append(rank)
+    listed = live_node_ranks(snapshot)[0] if live_notable is None else live_notable
+    # what makes a rank worth a look beyond its state: slow, silent, behind
+    flags = {entry.rank.rank: [why for why in entry.reasons if why != entry.rank.state.value] for entry in listed}
+    rows = []
+    for node in snapshot.nodes:
+        ranks = tuple(by_node.get(node.slot, ())) if node.slot is not None else ()
+        problems: list[str] = []
+        if node.state not in (NodeSlotState.LIVE, NodeSlotState.SPARE):
+            problems.append(node.state.value)
+        if node.heartbeat_age is not None and node.heartbeat_age >= QUIET_HEARTBEAT_S:
+            problems.append(f"agent quiet {_fmt_age(node.heartbeat_age)}")
+        if node.state is NodeSlotState.LIVE:
+            problems += _rank_problems(ranks, flags)
+        rows.append(NodeRow(node, ranks, tuple(problems)))
+
+    def order(row: NodeRow) -> tuple[int, int, int, int]:
+        if not row.problems:  # spares, then healthy nodes
+            return (2 if row.node.state is NodeSlotState.SPARE else 3, 0, 0, row.node.slot or 0)
+        worst = min((_STATE_SEVERITY.index(r.state) for r in row.ranks), default=len(_STATE_SEVERITY))
+        return (0 if row.node.state is not NodeSlotState.LIVE else 1, _NODE_SEVERITY.index(row.node.state), worst,
+                row.node.slot if row.node.slot is not None else row.node.node_rank or 0)
+
+    return sorted(rows, key=order)
+
+
+def _rank_problems(ranks: tuple[RankView, ...], flags: dict[int, list[str]]) -> list[str]:
+    """What is wrong with a live node's ranks, e.g. ``rank 42 failed``, ``ranks 40-41 slow``.
+
+    Moves the whole world makes together (aborting, recovering, restarting, finishing) are not a node's problem;
+    a rank of its own failing or being replaced (failed, starting again, joining, replaying) is, and so is a
+    slow, silent or lagging one.
+    """
+    reasons: dict[str, list[int]] = {}
+    for rank in ranks:
+        replaced = rank.state is WorkerState.STARTING and rank.restarts > 0
+        if rank.state in (WorkerState.FAILED, WorkerState.JOINING, WorkerState.REPLAYING) or replaced:
+            reasons.setdefault(rank.state.value, []).append(rank.rank)
+        for why in flags.get(rank.rank, ()):
+            reasons.setdefault(why.split()[0], []).append(rank.rank)  # "behind 3" -> "behind"
+    return [f"rank{'s' if len(numbers) > 1 else ''} {_ranges(numbers)} {why}" for why, numbers in reasons.items()]
+
+
+def _nodes_section(snapshot: JobSnapshot, lines_available: int) -> tuple[RenderableType, int]:
+    """Ranks grouped by node; when everything does not fit, problem nodes expanded and healthy ones collapsed."""
+    full_lines = TABLE_CHROME_LINES + len(snapshot.nodes) + (TABLE_CHROME_LINES + len(snapshot.ranks)
+                                                              if snapshot.ranks else 0)
+    if len(snapshot.ranks) <= FOLD_ABOVE and full_lines <= lines_available:
+        parts: list[RenderableType] = [_node_table([NodeRow(n, (), ()) for n in snapshot.nodes], with_ranks=False)]
+        if snapshot.ranks:
+            table = _new_rank_table(note_column=False, node_column=True)
+            for rank in snapshot.ranks:
+                table.add_row(*_rank_cells(rank, node_column=True))
+            parts.append(table)
+        return Group(*parts), full_lines
+
+    # one pass over the ranks for what is notable (at 10,000 ranks each pass is tens of ms)
+    listed, left_out = live_node_ranks(snapshot)
+    rows = node_rows(snapshot, listed)
+    problem_rows = [row for row in rows if row.problems]
+    spare_rows = [row for row in rows if row.node.state is NodeSlotState.SPARE]
+    # room: the summary lines, then node rows (problems first, then spares), then the ranks of live nodes
+    rank_floor = TABLE_CHROME_LINES + TOP_FEW if snapshot.ranks else 0
+    node_room = max(1, min(MAX_NODE_ROWS, lines_available - NODE_SUMMARY_LINES - 1 - TABLE_CHROME_LINES - rank_floor))
+    shown = (problem_rows + spare_rows)[:node_room]
+    shown_ids = {id(row) for row in shown}
+    collapsed = [row for row in rows if id(row) not in shown_ids]
+
+    parts = [_node_counts_line(snapshot)]
+    height = 1
+    if shown:
+        parts.append(_node_table(shown, with_ranks=True))
+        height += TABLE_CHROME_LINES + len(shown)
+    parts.append(_collapsed_line(collapsed))
+    height += 1
+
+    # the notable ranks of live nodes: a lost or rejoining node's row already says what its ranks do
+    row_room = lines_available - height - TABLE_CHROME_LINES - 1  # 1: the "more" line
+    ranks_shown = listed[: max(0, row_room)]
+    for dropped in listed[len(ranks_shown):]:
+        left_out[dropped.rank.state] += 1
+    if ranks_shown:
+        table = _new_rank_table(note_column=True, node_column=True)
+        for entry in ranks_shown:
+            table.add_row(*_rank_cells(entry.rank, node_column=True), ", ".join(entry.reasons))
+        parts.append(table)
+        height += TABLE_CHROME_LINES + len(ranks_shown)
+    if left_out:
+        more = ", ".join(f"{state.value} {count}" for state, count in sorted(left_out.items(), key=_by_severity))
+        parts.append(Text(f"… and {sum(left_out.values())} more ranks of live nodes not listed ({more})",
+                          style="dim"))
+        height += 1
+    return Group(*parts), height
+
+
+def _node_counts(nodes: tuple[NodeView, ...], prefix: str = "nodes ") -> Text:
+    counts = Counter(node.state for node in nodes)
+    text = Text(no_wrap=True, overflow="ellipsis")
+    pieces = [state for state in (NodeSlotState.LIVE, NodeSlotState.REJOINING, NodeSlotState.LOST,
+                                  NodeSlotState.WAITING) if counts[state]]
+    for index, state in enumerate(pieces):
+        text.append((prefix if index == 0 else "  ") + f"{state.value} {counts[state]}",
+                    style=NODE_STATE_STYLES[state])
+    if counts[NodeSlotState.SPARE]:
+        text.append(f"  spare {counts[NodeSlotState.SPARE]}", style=NODE_STATE_STYLES[NodeSlotState.SPARE])
+    return text
+
+
+def _node_counts_line(snapshot: JobSnapshot) -> Text:
+    slots = sum(1 for node in snapshot.nodes if node.slot is not None)
+    line = Text(f"{slots} node slots:  ", style="bold", no_wrap=True, overflow="ellipsis")
+    line.append_text(_node_counts(snapshot.nodes, prefix=""))
+    if snapshot.ranks:
+        counts = Counter(rank.state for rank in snapshot.ranks)
+        line.append(f"  ·  {len(snapshot.ranks)} ranks:  ")
+        for state in _STATE_SEVERITY[::-1]:  # running first: the healthy majority reads as the baseline
+            if counts[state]:
+                line.append(f"{state.value} {counts[state]}", style=STATE_STYLES[state])
+                line.append("  ")
+    return line
+
+
+def _collapsed_line(collapsed: list[NodeRow]) -> Text:
+    if not collapsed:
+        return Text("every node is listed above", style="dim")
+    healthy = [row for row in collapsed if not row.problems]
+    hidden = len(collapsed) - len(healthy)
+    slots = sorted(row.node.slot for row in healthy if row.node.slot is not None)
+    ranks = Counter(rank.state for row in collapsed for rank in row.ranks)
+    text = Text(no_wrap=True, overflow="ellipsis")
+    if healthy:
+        text.append(f"{len(healthy)} healthy node{'s' if len(healthy) > 1 else ''}", style="green")
+        if slots:
+            text.append(f" (slot{'s' if len(slots) > 1 else ''} {_ranges(slots)})")
+    if hidden:
+        text.append(f"{', ' if healthy else ''}{hidden} more with problems not listed", style="bold yellow")
+    if ranks:
+        states = ", ".join(f"{state.value} {ranks[state]}" for state in _STATE_SEVERITY[::-1] if ranks[state])
+        text.append(f"  ·  their ranks: {states}")
+    steps = [rank.step for row in healthy for rank in row.ranks if rank.step is not None]
+    if steps:
+        text.append(f"  ·  step {min(steps)}" + (f"-{max(steps)}" if max(steps) != min(steps) else ""))
+    return text
+
+
+def _node_table(rows: list[NodeRow], with_ranks: bool) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for name in ("node", "state", "host", "node rank", "incarnation", "ranks", "agent heartbeat"):
+        table.add_column(name, justify="left" if name in ("state", "host") else "right")
+    if with_ranks:
+        table.add_column("ranks by state")
+        table.add_column("why", style="italic")
+    for row in rows:
+        node = row.node
+        heartbeat = Text(_fmt_age(node.heartbeat_age))
+        if node.heartbeat_age is not None and node.heartbeat_age >= QUIET_HEARTBEAT_S:
+            heartbeat.stylize("bold red")
+        cells: list[RenderableType] = [
+            "-" if node.slot is None else str(node.slot),
+            Text(node.state.value, style=NODE_STATE_STYLES[node.state]),
+            Text(node.host or "-", no_wrap=True, overflow="ellipsis"),
+            "-" if node.node_rank is None else str(node.node_rank),
+            "-" if node.incarnation is None else str(node.incarnation),
+            _ranges(list(node.ranks)) if node.ranks else "-",
+            heartbeat,
+        ]
+        if with_ranks:
+            counts = Counter(rank.state for rank in row.ranks)
+            by_state = Text()
+            for state in _STATE_SEVERITY:
+                if counts[state]:
+                    by_state.append(f"{state.value} {counts[state]} ", style=STATE_STYLES[state])
+            cells += [by_state if counts else "-", ", ".join(p for p in row.problems if p != node.state.value)]
+        table.add_row(*cells)
+    return table
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    spans: list[list[int]] = []
+    for number in sorted(numbers):
+        if spans and spans[-1][1] == number - 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in spans)
 
 
 # --- recovery ---------------------------------------------------------------------------------------------------

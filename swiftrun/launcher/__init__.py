@@ -21,14 +21,26 @@ def launch(config: LaunchConfig) -> int:
     ep = config.entrypoint
     if ep.kind is EntrypointKind.SCRIPT and not Path(ep.target).is_file():
         raise LaunchError(f"training script {ep.target!r} not found")
+    reporter = _reporter(config)
+    if config.multinode:
+        hosts_coordinator = config.node_rank == 0 and not config.external_coordinator
+        if not hosts_coordinator:
+            # the job's dashboard is the coordinator's (it alone sees every node); an agent prints its notes
+            reporter = make_reporter(Console(stderr=True), False)
+        return _launch_node(config, reporter, new_log_root(config))
+    return Agent(config, reporter, new_log_root(config)).run()
+
+
+def _reporter(config: LaunchConfig):
+    """The live dashboard on a terminal (or with --dashboard), else plain status lines."""
+    from rich.console import Console
+
+    from swiftrun.dashboard.live import make_reporter
+
     terminal = Console()
     dashboard = terminal.is_terminal if config.dashboard is None else config.dashboard
     # plain status lines go to stderr, like torchrun's log lines: stdout belongs to the workers' output
-    if config.multinode:
-        # the job's dashboard is the coordinator's; an agent prints plain lines
-        return _launch_node(config, make_reporter(Console(stderr=True), False), new_log_root(config))
-    reporter = make_reporter(terminal if dashboard else Console(stderr=True), dashboard)
-    return Agent(config, reporter, new_log_root(config)).run()
+    return make_reporter(terminal if dashboard else Console(stderr=True), dashboard)
 
 
 def coordinate(config: LaunchConfig) -> int:
@@ -51,8 +63,9 @@ def coordinate(config: LaunchConfig) -> int:
     _check_free(config.master_port, "--rdzv-endpoint")
     _check_free(control_endpoint(config, config.master_port), "--rdzv-conf control_port")
     log_root = new_log_root(config)
+    reporter = _reporter(config)
     coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"), registers=None,
-                              standalone=True)
+                              standalone=True, reporter=reporter)
     sig_r, sig_w = socket.socketpair()
     sig_r.setblocking(False)
     sig_w.setblocking(False)
@@ -62,9 +75,11 @@ def coordinate(config: LaunchConfig) -> int:
           f"store {config.master_addr}:{coordinator.store.port}, control port "
           f"{control_endpoint(config, coordinator.store.port)}; event log {coordinator.event_log.path}",
           file=sys.stderr, flush=True)
+    reporter.start()
     try:
         return coordinator.run(signal_sock=sig_r)
     finally:
+        reporter.stop()
         signal.set_wakeup_fd(old_wakeup)
         for signum, handler in old.items():
             signal.signal(signum, handler)
@@ -83,9 +98,10 @@ def _launch_node(config: LaunchConfig, reporter, log_root) -> int:
 
     coordinator = None
     if config.node_rank == 0 and not config.external_coordinator:
+        # the agent starts and stops the reporter; the coordinator's thread feeds it the job's snapshots
         try:
             coordinator = Coordinator(config, config.event_log or (log_root / "events.jsonl"),
-                                      registers=uses_swiftrun(config.entrypoint))
+                                      registers=uses_swiftrun(config.entrypoint), reporter=reporter)
         except LaunchError as err:
             raise LaunchError(f"{err} (if `swiftrun coordinator` runs at the endpoint, start every agent with "
                               "--external-coordinator)") from None

@@ -28,14 +28,14 @@ from swiftrun.config import LaunchConfig
 from swiftrun.errors import LaunchError, ProtocolError
 from swiftrun.dashboard.live import Dashboard
 from swiftrun.events import EventLog, EventName
-from swiftrun.launcher import envs, procs
+from swiftrun.launcher import envs, procs, view
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
 from swiftrun.launcher.failures import format_late_failures, format_summary, read_error_file
 from swiftrun.launcher.job import Job
 from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
 from swiftrun.launcher.script import uses_swiftrun
 from swiftrun.launcher.store import AgentStore
-from swiftrun.snapshot import JobSnapshot, PhaseView, RankView, RecoveryPhase, RecoveryView
+from swiftrun.snapshot import JobSnapshot
 
 SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots
 PROGRESS_PERIOD = 0.25  # seconds between sampled progress events in the event log
@@ -378,41 +378,10 @@ class Agent:
         self.reporter.update(self.snapshot(now))
 
     def snapshot(self, now: float) -> JobSnapshot:
-        job = self.job
-        assert job is not None
-        ranks = []
-        for rank in range(self.config.world_size):
-            slot = job.slot_of_rank(rank)
-            ranks.append(RankView(
-                rank=rank, local_rank=self._local(rank), pid=slot.pid, state=slot.state, step=slot.step,
-                loss=slot.loss, step_time=slot.step_time,
-                heartbeat_age=(now - slot.last_seen) if slot.hello and slot.alive else None,
-                restarts=slot.incarnation, metrics=dict(slot.metrics),
-            ))
-        rec = job.recovery or job.last_recovery
-        recovery = None
-        if rec is not None:
-            phases = []
-            for phase in RecoveryPhase:
-                if phase in rec.phase_duration:
-                    phases.append(PhaseView(phase, rec.phase_duration[phase]))
-                elif phase in rec.phase_start and not rec.done:
-                    phases.append(PhaseView(phase, None))
-            recovery = RecoveryView(rec.generation, rec.failed_ranks, rec.cause, tuple(phases), rec.mode,
-                                    rec.source_rank, rec.done, rec.total,
-                                    None if rec.done else rec.replay)
-        steps_per_s = self._steps_per_s()
-        samples = None
-        rank0 = job.slot_of_rank(0)
-        for key in ("samples_per_s", "tokens_per_s"):
-            if key in rank0.metrics:
-                samples = rank0.metrics[key] * self.config.world_size
-        return JobSnapshot(
-            script=self.config.entrypoint.target, world_size=self.config.world_size, nnodes=self.config.nnodes[0],
-            generation=job.generation, state=job.state, uptime=now - self.t0, ranks=tuple(ranks),
-            steps_per_s=steps_per_s, samples_per_s=samples, failures=len(job.failures), time_lost=job.time_lost,
-            recovery=recovery, events=tuple(self.notes), event_log=str(self.event_log_path),
-        )
+        assert self.job is not None
+        return view.job_snapshot(self.job, self.config, now, started_at=self.t0, notes=tuple(self.notes),
+                                 event_log=str(self.event_log_path), steps_per_s=self._steps_per_s(),
+                                 local_rank=self._local)
 
     # ------------------------------------------------------------------ teardown
 

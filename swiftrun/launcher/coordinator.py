@@ -14,6 +14,7 @@ restarted, or a hot spare at once. Every store call lives in the workers; this l
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -27,8 +28,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from swiftrun.config import LaunchConfig
 from swiftrun.errors import LaunchError, ProtocolError
+from swiftrun.dashboard.live import Dashboard
 from swiftrun.events import EventLog, EventName
-from swiftrun.launcher import wire
+from swiftrun.launcher import view, wire
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
 from swiftrun.launcher.failures import format_summary
 from swiftrun.launcher.job import Job
@@ -36,9 +38,12 @@ from swiftrun.launcher.nodes import Accepted, Node, NodeTable
 from swiftrun.launcher.store import AgentStore
 from swiftrun.launcher.wire import NodeKind, ReportKind
 from swiftrun.protocol import EventKind
+from swiftrun.snapshot import JobSnapshot, NodeView
 
 FINISH_GRACE = 5.0
-PROGRESS_PERIOD = 0.25  # seconds the coordinator waits for agents to leave after FINISH
+PROGRESS_PERIOD = 0.25  # seconds between sampled progress events in the event log
+SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots, at least (see _publish)
+SNAPSHOT_SHARE = 0.05  # at most this share of the loop's time goes to building snapshots (10,000 ranks: ~50 ms)
 
 
 def fingerprint(config: LaunchConfig) -> dict[str, Any]:
@@ -61,10 +66,15 @@ class Coordinator:
     the first agent's answer from its JOIN."""
 
     def __init__(self, config: LaunchConfig, event_log_path: Path, registers: bool | None,
-                 standalone: bool = False) -> None:
+                 standalone: bool = False, reporter: Any = None) -> None:
         self.config = config
         self.registers = registers
         self.standalone = standalone
+        self.reporter = reporter  # the job's dashboard or plain lines (None: nobody watches, e.g. a benchmark)
+        self.notes: collections.deque[str] = collections.deque(maxlen=8)
+        self.throughput = view.Throughput()
+        self._next_publish = 0.0
+        self._nodes_at_end: tuple[NodeView, ...] | None = None  # as the job ended: agents leaving then are not lost
         self.nodes = NodeTable(config.nnodes[0], config.timeouts.node_timeout)
         self.nodes.fingerprint = fingerprint(config)
         self.event_log = EventLog(event_log_path)
@@ -125,6 +135,7 @@ class Coordinator:
                 if self.router in ready:
                     self._drain_router()
                 self._tick(time.monotonic())
+                self._publish(time.monotonic())
         finally:
             self.close()
         return self.exit_code if self.exit_code is not None else 1
@@ -316,6 +327,8 @@ class Coordinator:
     def _progress(self, now: float, status: list[Any]) -> None:
         """Rank 0's progress, sampled (at most every PROGRESS_PERIOD), for the report's timeline."""
         step, loss, step_time, _ = status
+        if isinstance(step, int):
+            self.throughput.add(now, step)
         if step == self._last_progress[1] or now - self._last_progress[0] < PROGRESS_PERIOD:
             return
         self._last_progress = (now, step)
@@ -329,11 +342,14 @@ class Coordinator:
             if self.nodes.full():
                 self.job = Job(self.config, now, wall_offset=time.time() - time.monotonic(),
                                registers=bool(self.registers))
+                for holder in self.nodes.holder.values():
+                    self._tell_job_host(holder)
                 self._note(f"every node joined: starting {self.config.world_size} ranks on "
                            f"{self.config.nnodes[0]} nodes")
                 self._execute(self.job.start(now), now)
             return
         self.vacant_since.pop(node.slot, None)
+        self._tell_job_host(node)
         self._execute(self.job.on_node_joined(node.slot, now), now)
         queued, self.pending[node.slot] = self.pending[node.slot], []
         for action in queued:
@@ -352,7 +368,7 @@ class Coordinator:
         if self.exit_code is not None:
             return  # the job is over: agents leaving is expected
         self._log(EventName.NODE_LOST, node_rank=node.node_rank, slot=node.slot, incarnation=node.incarnation,
-                  cause=cause)
+                  cause=cause, host=node.info.get("host"))
         self._send(node.identity, NodeKind.FENCED, {"reason": f"this node was declared lost: {cause}"})
         if node.slot is None:
             self._note(f"hot-spare node rank {node.node_rank} left: {cause}")
@@ -417,6 +433,8 @@ class Coordinator:
         if self.exit_code is not None:
             return
         self.exit_code = code
+        self._nodes_at_end = view.node_views(self.nodes, self.job, self.config.nproc_per_node, now)
+        self._publish(now, force=True)  # the final state reaches the dashboard before the agents stop it
         self.nodes.close("it finished" if code == 0 else f"it failed with exit code {code}")
         told = self._summary_for_agents(code)
         for node in self.nodes.current():
@@ -441,8 +459,38 @@ class Coordinator:
         except (zmq.Again, zmq.ZMQError):
             pass  # the agent is gone: its connection's close or its silence tells the node table
 
+    def _tell_job_host(self, node: Node | None) -> None:
+        """The Job names a failure's machine: which host and incarnation hold each node slot."""
+        if self.job is not None and node is not None and node.slot is not None:
+            self.job.node_hosts[node.slot] = (str(node.info.get("host") or "?"), node.incarnation)
+
     def _note(self, text: str) -> None:
-        print(f"swiftrun coordinator: {text}", file=sys.stderr, flush=True)
+        self.notes.append(text)
+        self._say(f"swiftrun coordinator: {text}")
+
+    def _say(self, text: str) -> None:
+        if isinstance(self.reporter, Dashboard):
+            self.reporter.print_line(text)  # above the live dashboard, which a bare print would tear
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def snapshot(self, now: float) -> JobSnapshot:
+        """The whole job as the dashboard shows it, nodes included. Call it on the thread running :meth:`run`
+        (it reads the Job); the result is immutable and may go to any thread."""
+        nodes = self._nodes_at_end or view.node_views(self.nodes, self.job, self.config.nproc_per_node, now)
+        common = dict(started_at=self.t0, notes=tuple(self.notes), event_log=str(self.event_log.path))
+        if self.job is None:
+            return view.waiting_snapshot(self.config, now, nodes=nodes, **common)
+        return view.job_snapshot(self.job, self.config, now, steps_per_s=self.throughput.steps_per_s(),
+                                 local_rank=lambda rank: rank % self.config.nproc_per_node, nodes=nodes, **common)
+
+    def _publish(self, now: float, force: bool = False) -> None:
+        if self.reporter is None or (now < self._next_publish and not force):
+            return
+        built = time.monotonic()
+        self.reporter.update(self.snapshot(now))
+        # a snapshot walks every rank: keep it a small share of the loop's time at any world size
+        self._next_publish = now + max(SNAPSHOT_PERIOD, (time.monotonic() - built) / SNAPSHOT_SHARE)
 
     def _log(self, event: EventName, **fields: Any) -> None:
         self.event_log.write(event, **fields)
@@ -451,12 +499,13 @@ class Coordinator:
         if self.router.closed:
             return
         if self.job is not None:
+            self._publish(time.monotonic(), force=True)  # the final state (its host stops the reporter)
             self.event_log.write(EventName.JOB_END, outcome="succeeded" if self.exit_code == 0 else "failed",
                                  exit_code=self.exit_code, duration=time.monotonic() - self.t0,
                                  failures=len(self.job.failures), time_lost=self.job.time_lost,
                                  failures_after_release=len(self.job.late_failures))
             if self.exit_code not in (0, None) and self.job.failures:
-                print(format_summary(self.config.entrypoint.target, self.job.failures), file=sys.stderr, flush=True)
+                self._say(format_summary(self.config.entrypoint.target, self.job.failures))
         self.router.disable_monitor()
         self.monitor.close(linger=0)
         self.router.close(linger=0)

@@ -51,6 +51,8 @@ class ProcessFailure:
     traceback: str | None = None  # the worker's traceback, when it raised and told us
     error_file: str | None = None  # the worker's TORCHELASTIC_ERROR_FILE
     hostname: str = field(default_factory=_fqdn)
+    node: int | None = None  # multi-node: the node slot whose agent ran it (hostname is then that agent's host)
+    node_incarnation: int | None = None  # ... and which incarnation of that slot
 
     def signal_name(self) -> str | None:
         """The name of the signal that killed the worker ("SIGKILL" for -9), or None if it exited."""
@@ -64,6 +66,8 @@ class ProcessFailure:
     def describe(self) -> str:
         """One line for logs and the dashboard."""
         who = f"rank {self.rank} (local_rank {self.local_rank})"
+        if self.node is not None:
+            who += f" on node slot {self.node} ({self.hostname})"
         if self.exitcode < 0:
             how = f"killed by {self.signal_name() or f'signal {-self.exitcode}'}"
         else:
@@ -134,6 +138,9 @@ def _format_failure(idx: int, failure: ProcessFailure) -> str:
         f"  exitcode  : {exitcode}",
         f"  error_file: {error_file}",
     ]
+    if failure.node is not None:  # multi-node only, as "cause": which machine, as the job numbers them
+        incarnation = "" if failure.node_incarnation is None else f" (incarnation {failure.node_incarnation})"
+        lines.append(f"  node      : slot {failure.node}{incarnation}")
     if failure.cause:
         lines.append(f"  cause     : {failure.cause}")
     lines.append(f"  traceback : {_traceback_text(failure)}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
 import pytest
 import torch
 
+from swiftrun.report import summarize
 from tests.helpers import SCRIPTS, wait_until
 from tests.integration.multinode_support import (
     TRAIN, TRAIN_ARGS, free_port_pair, node_cmd, start_node, stop_all, wait_all,
@@ -182,6 +184,19 @@ def test_a_node_killed_mid_run_is_replaced_in_place(tmp_path, marker, takeover):
     for rank in (0, 1):
         seen = {(e["pid"], e["incarnation"]) for e in log if e["event"] == "worker_state" and e["rank"] == rank}
         assert len(seen) == 1 and next(iter(seen))[1] == 0, seen
+    # the event log, the report and node 0's status lines name the node slot, its machine and incarnation
+    failed = [e for e in log if e["event"] == "worker_failed"]
+    assert sorted(e["rank"] for e in failed) == [2, 3] and all(e["node"] == 1 and e["host"] for e in failed)
+    assert next(e for e in log if e["event"] == "recovery_start")["nodes"] == [1]
+    summary = summarize(log)
+    again = "taken over" if takeover == "hot-spare" else "rejoined"
+    assert [(e.what, e.slot) for e in summary.node_events if e.slot is not None] == [("lost", 1), (again, 1)]
+    status = (tmp_path / "n0.log").read_text()
+    # seen lost, or (a hot spare is quicker than a snapshot) taken over at once: both name the lost holder
+    assert re.search(r"\[swiftrun\] node slot 1 \((node rank 1, .*incarnation 0\) live -> lost|"
+                     r".*; was node rank 1, .*incarnation 0\) live -> rejoining)", status), status[-3000:]
+    assert re.search(r"\[swiftrun\] node slot 1 \(node rank \d+, .*incarnation 1[;)].* (lost|rejoining) -> live",
+                     status), status[-3000:]
     resumed = next(e for e in log if e["event"] == "recovery_phase" and e["phase"] == "resume")
     lost = next(e for e in log if e["event"] == "node_lost")
     print(f"\n{takeover}: node lost -> training resumed in {resumed['t'] - lost['t']:.2f}s "

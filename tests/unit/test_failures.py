@@ -274,3 +274,13 @@ def test_late_failures_warning_says_training_completed_and_who_failed_how() -> N
 def test_late_failures_warning_needs_a_failure() -> None:
     with pytest.raises(ValueError):
         format_late_failures("train.py", 2, [])
+
+
+def test_a_multinode_failure_names_its_node_slot_and_that_nodes_host() -> None:
+    record = failure(2, -signal.SIGKILL, 5.0, local_rank=0, hostname="host-b", node=1, node_incarnation=0,
+                     cause="node slot 1 lost: its agent's connection closed")
+
+    assert record.describe().startswith("rank 2 (local_rank 0) on node slot 1 (host-b) killed by SIGKILL")
+    text = format_summary("train.py", [record])
+    assert "  host      : host-b\n  rank      : 2 (local_rank: 0)" in text
+    assert "  node      : slot 1 (incarnation 0)\n  cause     : node slot 1 lost" in text

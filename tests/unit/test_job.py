@@ -517,6 +517,25 @@ def test_start_is_sent_to_every_rank_once_all_registered_and_brings_up_the_spare
     assert sim.event(1, EventKind.REGISTERED) == []  # START goes out once
 
 
+def test_registration_is_counted_per_current_slot_of_each_rank_across_a_start_up_restart():
+    """The O(1) bookkeeping behind START: a rank counts as registered only through the slot serving it now, so
+    registrations of the previous attempt count for nothing and START waits for every new slot."""
+    sim = booting(2, spares=0)
+    sim.event(0, EventKind.REGISTERED)
+    assert sim.job._unregistered == {1}
+    _startup_restart(sim, 1, -SIGKILL)  # a start-up failure: every worker starts again (attempt 1)
+    assert sim.job._unregistered == {0, 1}
+    sim.boot([Spawn(s, r, 1, 0, 1, False) for r, s in enumerate(sim.rank_slots())])
+
+    assert sim.event(0, EventKind.REGISTERED) == []  # an old slot's (stale) registration changes nothing
+    assert sends(sim.event(sim.slot(0), EventKind.REGISTERED), CommandKind.START) == []
+    assert sim.job._unregistered == {1}
+    actions = sim.event(sim.slot(1), EventKind.REGISTERED)
+
+    assert sorted(s.slot_id for s in sends(actions, CommandKind.START)) == sorted(sim.rank_slots())
+    assert sim.job._unregistered == set() and sim.job.swift_started
+
+
 def test_no_spare_is_started_with_spares_zero():
     sim = running(2, spares=0)
     actions = sim.event(0, EventKind.REGISTERED) + sim.event(1, EventKind.REGISTERED)
@@ -1416,3 +1435,29 @@ def test_a_workers_warning_reaches_the_console_and_the_event_log():
     assert [r.fields["message"] for r in records(actions, EventName.WARNING)] == [
         "dist.all_reduce at train.py:9 was skipped"]
     assert any("WARNING rank 1" in n.text for n in of(actions, Note))
+
+
+def test_the_recovery_and_release_barriers_are_kept_per_event_for_the_current_slot_of_each_rank():
+    """The O(1) bookkeeping behind RECOVER, RESUME and RELEASE: who has not answered the current generation,
+    who has not finished; a rank that finished before a failure must finish again after it."""
+    sim = swift_running(3, spares=0)
+    sim.event(0, EventKind.FINISHING)
+    assert sim.job._unfinished == {1, 2}
+    (spawn,) = of(sim.exit(1, -SIGKILL), Spawn)
+    new = spawn.slot_id
+    sim.spawned(new)
+    assert sim.job._unfinished == {0, 1, 2}  # the recovery undid rank 0's finish
+    assert (sim.job._unready_survivors, sim.job._unready_replacements) == ({0, 2}, {1})
+
+    sim.event(0, EventKind.ABORTED, gen=0)  # an answer to an older round counts for nothing
+    assert sim.job._unready_survivors == {0, 2}
+    assert phases(sim.event(0, EventKind.ABORTED) + sim.event(2, EventKind.ABORTED)) == ["abort"]
+    actions = sim.hello(new) + sim.event(new, EventKind.JOINING)
+    assert len(sends(actions, CommandKind.RECOVER)) == 3 and sim.job._unrecovered == {0, 1, 2}
+    assert sends(sim.event(0, EventKind.RECOVERED) + sim.event(new, EventKind.RECOVERED), CommandKind.RESUME) == []
+    assert len(sends(sim.event(2, EventKind.RECOVERED), CommandKind.RESUME)) == 3
+    assert sim.job.state is JobState.RUNNING
+
+    assert sends(sim.event(0, EventKind.FINISHING) + sim.event(2, EventKind.FINISHING), CommandKind.RELEASE) == []
+    assert sim.job._unfinished == {1}
+    assert len(sends(sim.event(new, EventKind.FINISHING), CommandKind.RELEASE)) == 3

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from swiftrun.launcher import wire
-from swiftrun.launcher.actions import Assign, Finish, Kill, Send, Spawn
+from swiftrun.events import EventName
+from swiftrun.launcher.actions import Assign, Finish, Kill, Record, Send, Spawn
 from swiftrun.launcher.nodes import Accepted, NodeState, NodeTable, Refused
 from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.snapshot import JobState, WorkerState
@@ -110,8 +111,15 @@ def test_spares_live_on_every_node_and_a_worker_failure_uses_its_own_nodes_spare
 def test_a_lost_node_fails_its_ranks_in_one_generation_and_replaces_them_on_its_slot():
     sim = multinode_sim()
     survivors = [sim.slot(0), sim.slot(1)]
+    sim.job.node_hosts[1] = ("host-b", 0)  # the coordinator keeps who holds each slot
     actions = sim._take(sim.job.on_node_lost(1, sim.now, "its agent's connection closed"))
     assert sim.job.generation == 1 and sim.job.state is JobState.RECOVERING
+    # the event log names the node slot, the machine and its incarnation for each failure and the recovery
+    failed = [a.fields for a in actions if isinstance(a, Record) and a.event is EventName.WORKER_FAILED]
+    assert [(f["rank"], f["node"], f["host"], f["node_incarnation"]) for f in failed] == [(2, 1, "host-b", 0),
+                                                                                         (3, 1, "host-b", 0)]
+    (start,) = [a.fields for a in actions if isinstance(a, Record) and a.event is EventName.RECOVERY_START]
+    assert start["nodes"] == [1] and start["cause"] == "node slot 1 lost: its agent's connection closed"
     spawns = of(actions, Spawn)
     assert sorted(s.rank for s in spawns if s.rank is not None) == [2, 3]
     assert all(s.node == 1 and s.joining for s in spawns if s.rank is not None)

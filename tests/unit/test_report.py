@@ -193,3 +193,45 @@ def test_a_pipeline_replay_and_logging_plan_are_reported(tmp_path: Path, capsys:
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "replay: rank(s) 2, 3 replayed steps 4..5" in out and "groups [0,1] [2,3]" in out
+
+
+def test_a_multinode_job_names_the_node_slot_and_machine_of_failures_and_recoveries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node slot 1 (host-b) is lost, a hot spare (host-c) takes it over; later the restarted host-b rejoins as a
+    spare. The events are the coordinator's, with the fields it writes."""
+    path = tmp_path / "events.jsonl"
+    joined = [{"t": 0.1 * k, "event": "node_joined", "node_rank": k, "slot": k, "incarnation": 0,
+               "host": f"host-{'abc'[k]}", "pid": 100 + k} for k in range(2)]
+    lines = [
+        {"t": 0.0, "event": "job_start", "script": "train.py", "world_size": 4, "nnodes": 2, "coordinator": True},
+        *joined,
+        {"t": 0.5, "event": "node_joined", "node_rank": 2, "slot": None, "incarnation": -1, "host": "host-c"},
+        {"t": 10.0, "event": "node_lost", "node_rank": 1, "slot": 1, "incarnation": 0, "host": "host-b",
+         "cause": "its agent's connection closed"},
+        *[{"t": 10.0, "event": "worker_failed", "rank": r, "incarnation": 0, "pid": 7, "exitcode": -9,
+           "cause": "node slot 1 lost: its agent's connection closed", "node": 1, "node_incarnation": 0,
+           "host": "host-b"} for r in (2, 3)],
+        {"t": 10.0, "event": "recovery_start", "generation": 1, "failed_ranks": [2, 3], "nodes": [1],
+         "cause": "node slot 1 lost: its agent's connection closed"},
+        {"t": 10.0, "event": "node_takeover", "node_rank": 2, "slot": 1, "incarnation": 1},
+        {"t": 12.0, "event": "recovery_end", "generation": 1, "outcome": "recovered", "mode": "redo",
+         "source_rank": 0, "total": 2.0, "failed_ranks": [2, 3]},
+        {"t": 20.0, "event": "job_end", "outcome": "succeeded", "exit_code": 0, "duration": 20.0, "time_lost": 2.0},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+    summary = summarize(read_events(path))
+    assert [(e.what, e.slot, e.holder.host) for e in summary.node_events] == [
+        ("spare joined", None, "host-c"), ("lost", 1, "host-b"), ("taken over", 1, "host-c")]
+    assert [(f.rank, f.node, f.host) for f in summary.failures] == [(2, 1, "host-b"), (3, 1, "host-b")]
+    assert summary.recoveries[0].nodes == (1,)
+
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "nodes:      2 node slots, 1 lost, 1 taken over, 1 spare joined" in out
+    assert "node slot 1 lost (node rank 1, host-b, incarnation 0): its agent's connection closed" in out
+    assert "node slot 1 taken over by hot-spare node rank 2, host-c, incarnation 1" in out
+    assert "rank 2 on node slot 1 (host-b, incarnation 0): node slot 1 lost" in out
+    assert ("node slot 1: node rank 1, host-b, incarnation 0 -> hot-spare node rank 2, host-c, incarnation 1"
+            in out), out
