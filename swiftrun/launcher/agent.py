@@ -401,7 +401,11 @@ class Agent:
     def _start_zygote(self) -> None:
         """One zygote per agent, for jobs that get spares: it warms up while the workers start."""
         c = self.config
-        if not c.swift or c.spares <= 0 or c.entrypoint.kind is EntrypointKind.EXECUTABLE:
+        hot_spare_node = c.multinode and c.node_rank >= c.nnodes[0]  # its whole purpose: take a lost slot at once
+        if not c.swift or (c.spares <= 0 and not hot_spare_node) or c.entrypoint.kind is EntrypointKind.EXECUTABLE:
+            return
+        if os.environ.get("SWIFTRUN_NO_ZYGOTE") == "1":  # benchmarks: spares and replacements as before the zygote
+            self.zygote.state = ZygoteState.FAILED
             return
         if self.zygote.state is not ZygoteState.OFF:
             return
