@@ -91,3 +91,42 @@ def test_a_failed_zygote_hands_back_what_it_did_not_fork():
 
 def test_thread_count_sees_native_threads():
     assert thread_count() >= 1
+
+
+def test_a_cold_spare_warms_up_in_an_idle_thread_and_its_main_thread_keeps_normal_priority(monkeypatch):
+    """An unprivileged process cannot return from SCHED_IDLE to SCHED_OTHER: the main thread, which runs the
+    user's script after ASSIGN, must never be lowered (only the warm-up thread is)."""
+    import threading
+
+    from swiftrun.protocol import Command, CommandKind
+    from swiftrun.runtime import bootstrap
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE here")
+    seen: dict[str, int] = {}
+    main_policy = os.sched_getscheduler(0)
+
+    def fake_warm() -> None:
+        seen["warm"] = os.sched_getscheduler(threading.get_native_id())
+        seen["main"] = os.sched_getscheduler(threading.main_thread().native_id)
+
+    monkeypatch.setattr(bootstrap, "_warm_torch", fake_warm)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("RANK", "-1")  # restored afterwards: ASSIGN sets it
+
+    class Link:
+        rank = -1
+        on_assign = None
+
+        def wait_for(self, predicate, timeout=None):
+            return True
+
+        def command(self, kind):
+            return Command(gen=0, cmd_id=1, command=CommandKind.ASSIGN, args={"env": {"RANK": "1"}, "rank": 1}) \
+                if kind is CommandKind.ASSIGN else None
+
+    link = Link()
+    bootstrap._wait_for_rank(link)  # type: ignore[arg-type]
+    assert link.rank == 1 and os.environ["RANK"] == "1"
+    assert seen["warm"] == os.SCHED_IDLE
+    assert seen["main"] == main_policy == os.sched_getscheduler(0)
