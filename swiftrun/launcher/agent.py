@@ -461,7 +461,7 @@ class Agent:
                 assert ev.slot is not None and ev.pid is not None
                 self._adopt(ev.slot, ev.pid, ev.seconds or 0.0)
             else:  # FORK_FAILED, WARM_FAILED, gone
-                self._zygote_failed(ev.reason)
+                self._zygote_failed(ev.reason, also=[ev.slot] if ev.slot is not None else [])
                 return
 
     def _adopt(self, slot_id: int, pid: int, seconds: float) -> None:
@@ -480,6 +480,8 @@ class Agent:
         action = pending.action
         self.event_log.write(EventName.ZYGOTE, state="forked", slot=slot_id, rank=action.rank, pid=pid,
                              ms=round(seconds * 1000, 1))
+        if action.rank is not None:  # no spare was left: the replacement itself came warm
+            self._note(f"rank {action.rank}: replacement forked warm from the zygote ({seconds * 1000:.0f} ms)")
         self._execute(self.job.on_spawned(slot_id, pid, time.monotonic()))
         for signum in pending.signals:
             proc.signal_group(signum)
@@ -487,9 +489,9 @@ class Agent:
         if early is not None and self._router is not None:
             self._on_hello(self._router, early[0], early[1], time.monotonic())
 
-    def _zygote_failed(self, reason: str) -> None:
+    def _zygote_failed(self, reason: str, also: list[int] | None = None) -> None:
         """Never lose the job to the zygote: what it did not fork starts cold, and it is said once."""
-        slots = self.zygote.fail(reason)
+        slots = sorted(set(self.zygote.fail(reason)) | set(also or ()))
         self._zygote_note()
         for slot_id in slots:
             pending = self._forking.pop(slot_id, None)
