@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.helpers import SCRIPTS, run, start, swiftrun_cmd, wait_until
+from tests.helpers import SCRIPTS, processes_with_marker, run, start, swiftrun_cmd, wait_until
 from tests.integration.recovery_support import FAST, STEPS, assert_recovered_equal, launch_args
 
 pytestmark = pytest.mark.integration
@@ -89,3 +89,29 @@ def test_a_replacement_preamble_longer_than_the_recovery_timeout(references, tmp
 @pytest.mark.timeout(600)
 def test_a_replacement_preamble_of_two_minutes_with_default_timeouts(references, tmp_path, marker):
     _slow_preamble(tmp_path, marker, 130.0, [], references)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_to_the_launcher_takes_the_zygote_and_its_children_with_it(tmp_path, marker):
+    """The forked spare is the agent's child (subreaper) with a parent-death signal against the agent; the zygote
+    has one too: nothing the launcher started, directly or through the zygote, outlives it."""
+    events = tmp_path / "events.jsonl"
+    proc = start(swiftrun_cmd("--nproc-per-node", "2", "--no-dashboard", "--event-log", str(events),
+                              str(SCRIPTS / "idle_registered.py")), marker)
+    try:
+        wait_until(lambda: any(r["event"] == "zygote" and r["state"] == "forked" for r in _records(events)),
+                   timeout=90, what="the zygote to fork the spare")
+        forked = [r["pid"] for r in _records(events) if r["event"] == "zygote" and r["state"] == "forked"]
+        assert forked and all(str(proc.pid) == _ppid(pid) for pid in forked)  # adopted by the agent
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_until(lambda: not processes_with_marker(marker), timeout=10, what="every process to die with it")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ppid(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[1]
