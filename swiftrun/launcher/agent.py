@@ -172,7 +172,7 @@ class Agent:
             timeout = max(0.0, self.job.next_deadline(now) - now)
             if any(p.pidfd is None and p.alive for p in self.procs.values()):
                 timeout = min(timeout, self.config.monitor_interval)
-            zygote_deadline = self.zygote.next_deadline()
+            zygote_deadline = self.zygote.next_deadline(self.config.timeouts.startup_timeout)
             if zygote_deadline is not None:
                 timeout = min(timeout, max(0.0, zygote_deadline - now) + 0.01)
             ready = dict(poller.poll(timeout * 1000))

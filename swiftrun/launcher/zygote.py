@@ -171,9 +171,12 @@ class ZygoteClient:
             return f"not warm after {now - self.started_at:.0f}s (--startup-timeout)"
         return None
 
-    def next_deadline(self) -> float | None:
+    def next_deadline(self, startup_timeout: float) -> float | None:
+        """When :meth:`overdue` could next say yes (None: nothing pending)."""
         if not self.pending:
             return None
+        if self.state is ZygoteState.WARMING:
+            return self.started_at + startup_timeout
         return min(self.pending.values()) + FORK_ANSWER_TIMEOUT
 
     def fail(self, reason: str) -> list[int]:

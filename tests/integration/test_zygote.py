@@ -1,5 +1,5 @@
-"""The zygote end to end: a replacement forked warm, the zygote lost (the job recovers cold), and a replacement
-whose script preamble outlasts --recovery-timeout (bounded by --startup-timeout instead)."""
+"""The zygote end to end: a replacement forked warm whose script preamble outlasts --recovery-timeout (bounded
+by --startup-timeout instead), the zygote lost (the job recovers cold), the launcher lost (nothing outlives it)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def _replacement_pid(records: list[dict], rank: int) -> int:
                 if r["event"] == "worker_state" and r["rank"] == rank and r["incarnation"] == 1)
 
 
+@pytest.mark.extended  # the CI test of a slow preamble below checks the same (its replacement is forked too)
 @pytest.mark.timeout(300)
 def test_a_killed_rank_is_replaced_by_a_forked_worker(references, tmp_path, marker):
     """The replacement (the warm spare, or the replacement itself if the zygote was still warming) comes from
@@ -74,15 +75,18 @@ def _slow_preamble(tmp_path, marker, preamble: float, timeouts: list[str], refer
     proc = run(cmd, marker, timeout=preamble + 240, SLOW_PREAMBLE_SECONDS=str(preamble))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_recovered_equal(tmp_path / "save", references(2, "sgd"), 2, events)
-    failed = [r for r in _records(events) if r["event"] == "worker_failed"]
+    records = _records(events)
+    failed = [r for r in records if r["event"] == "worker_failed"]
     assert [f["rank"] for f in failed] == [1], failed  # the slow replacement was not taken for a hung one
+    forked = {r["pid"] for r in records if r["event"] == "zygote" and r["state"] == "forked"}
+    assert _replacement_pid(records, 1) in forked, [r for r in records if r["event"] == "zygote"]
 
 
 @pytest.mark.timeout(300)
 def test_a_replacement_preamble_longer_than_the_recovery_timeout(references, tmp_path, marker):
     """Issue 9 item 7: the replacement's preamble is bounded by --startup-timeout, on the launcher's side and
     the survivors' (they wait with the same flag values), not by --recovery-timeout."""
-    _slow_preamble(tmp_path, marker, 8.0, ["--recovery-timeout", "3", "--startup-timeout", "60"], references)
+    _slow_preamble(tmp_path, marker, 5.0, ["--recovery-timeout", "2", "--startup-timeout", "60"], references)
 
 
 @pytest.mark.extended

@@ -74,10 +74,12 @@ def test_pending_forks_time_out_only_once_the_zygote_is_warm(monkeypatch):
     client.pending = {1: 100.0}
     assert client.overdue(100.0 + FORK_ANSWER_TIMEOUT + 1, startup_timeout=600) is None  # still importing torch
     assert "startup-timeout" in client.overdue(100.0 + 601, startup_timeout=600)
+    assert client.next_deadline(600) == 700.0  # no busy wake-ups while it warms up
     client.state = ZygoteState.WARM
     client.pending = {1: 200.0}
     assert client.overdue(200.0 + FORK_ANSWER_TIMEOUT / 2, startup_timeout=600) is None
     assert "no answer" in client.overdue(200.0 + FORK_ANSWER_TIMEOUT + 1, startup_timeout=600)
+    assert client.next_deadline(600) == 200.0 + FORK_ANSWER_TIMEOUT
 
 
 def test_a_failed_zygote_hands_back_what_it_did_not_fork():
