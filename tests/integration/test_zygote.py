@@ -76,8 +76,10 @@ def _slow_preamble(tmp_path, marker, preamble: float, timeouts: list[str], refer
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_recovered_equal(tmp_path / "save", references(2, "sgd"), 2, events)
     records = _records(events)
-    failed = [r for r in records if r["event"] == "worker_failed"]
-    assert [f["rank"] for f in failed] == [1], failed  # the slow replacement was not taken for a hung one
+    # the slow replacement was not taken for a hung one (a rank that hangs on its way out once training ended
+    # everywhere, "after_release", is no job failure: seen on main too under load, see notes/s4/zygote.md)
+    failed = [r for r in records if r["event"] == "worker_failed" and not r.get("after_release")]
+    assert [f["rank"] for f in failed] == [1], failed
     forked = {r["pid"] for r in records if r["event"] == "zygote" and r["state"] == "forked"}
     assert _replacement_pid(records, 1) in forked, [r for r in records if r["event"] == "zygote"]
 
