@@ -77,7 +77,7 @@ def _slow_preamble(tmp_path, marker, preamble: float, timeouts: list[str], refer
     assert_recovered_equal(tmp_path / "save", references(2, "sgd"), 2, events)
     records = _records(events)
     # the slow replacement was not taken for a hung one (a rank that hangs on its way out once training ended
-    # everywhere, "after_release", is no job failure: seen on main too under load, see notes/s4/zygote.md)
+    # everywhere, "after_release", is no job failure; seen on main too, with spawned ranks, under load)
     failed = [r for r in records if r["event"] == "worker_failed" and not r.get("after_release")]
     assert [f["rank"] for f in failed] == [1], failed
     forked = {r["pid"] for r in records if r["event"] == "zygote" and r["state"] == "forked"}
