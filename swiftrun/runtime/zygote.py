@@ -77,9 +77,17 @@ class Zygote:
     def start_warm_up(self) -> None:
         from swiftrun.runtime.bootstrap import _warm_torch
 
+        # torch.cuda.is_available() would otherwise ask the CUDA driver (cuInit), and a process forked after
+        # cuInit cannot use CUDA; NVML answers the same question without it. Only the zygote's environment:
+        # each child gets its worker environment whole.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
         def warm_up() -> None:
             try:
                 _warm_torch()
+                torch = sys.modules["torch"]
+                if torch.cuda.is_initialized():  # never expected: the warm-up runs on the CPU
+                    raise RuntimeError("CUDA was initialised during the warm-up; forking now would not be safe")
             except Exception as exc:  # noqa: BLE001 - reported to the agent, which then starts workers cold
                 self.warm_error = f"{type(exc).__name__}: {exc}"
                 log.debug("zygote warm-up failed\n%s", traceback.format_exc())
