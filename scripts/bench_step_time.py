@@ -6,11 +6,14 @@ and reads rank 0's ``train_dp: steps=N step_ms=X`` line (mean of the steady-stat
 first max(3, N/10) steps). Reports the median and spread per launcher and swiftrun's relative overhead
 (median swiftrun / median torchrun - 1), plus the wall time of each whole run (start-up and exit included).
 
-swiftrun runs with its defaults, i.e. one warm spare that starts with the workers and imports torch at idle priority
-while they train; --with-no-spare adds a third configuration (swiftrun --spares 0) to separate that cost.
+swiftrun runs with its defaults, i.e. one warm spare, forked from the agent's zygote (which imports torch while
+the workers start and at idle priority once they train); --with-no-spare adds swiftrun --spares 0 (no spare, no
+zygote) and --with-cold-spare swiftrun with SWIFTRUN_NO_ZYGOTE=1 (the spare imports torch itself, as before the
+zygote), to separate those costs.
 
-    python scripts/bench_step_time.py                 # 5 x 300 steps per launcher, 4 ranks
-    python scripts/bench_step_time.py --quick         # smoke test
+    python scripts/bench_step_time.py --with-no-spare --with-cold-spare             # 5 x 300 steps, 4 ranks
+    python scripts/bench_step_time.py --with-no-spare --with-cold-spare --steps 60  # a short run
+    python scripts/bench_step_time.py --quick                                        # smoke test
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--with-no-spare", action="store_true", help="also run swiftrun --spares 0")
+    p.add_argument("--with-cold-spare", action="store_true",
+                   help="also run swiftrun with a spare but no zygote (SWIFTRUN_NO_ZYGOTE=1: the spare imports torch "
+                        "itself, as before the zygote)")
     p.add_argument("--swiftrun-args", default="")
     p.add_argument("--script-args", default="", help="extra train_dp.py arguments, e.g. '--hidden 512'")
     p.add_argument("--timeout", type=float, default=300.0)
@@ -43,11 +49,16 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
+COLD = "swiftrun, no zygote"
+
+
 def main() -> None:
     args = parse_args()
     variants = {"swiftrun": args.swiftrun_args.split(), "torchrun": None}
     if args.with_no_spare:
         variants["swiftrun --spares 0"] = ["--spares", "0", *args.swiftrun_args.split()]
+    if args.with_cold_spare:
+        variants[COLD] = args.swiftrun_args.split()
     names = list(variants)
     print(f"# bench_step_time: {B.machine_line()}")
     print(f"# {args.nproc} ranks, {args.steps} steps, optimizer {args.optimizer}, {args.reps} repetition(s), "
@@ -65,7 +76,8 @@ def main() -> None:
                     cmd = B.torchrun_cmd(args.nproc, script, max_restarts=0)
                 else:
                     cmd = B.swiftrun_cmd(args.nproc, script, extra=variants[name])
-                res = B.run(cmd, work, args.timeout)
+                env = {**os.environ, "SWIFTRUN_NO_ZYGOTE": "1"} if name == COLD else None
+                res = B.run(cmd, work, args.timeout, env=env)
                 results[name].append(res)
                 print(f"  rep {rep + 1} {name:20s} step_ms={B.fmt(res.step_ms, 2)} wall={res.wall:.2f}s "
                       f"rc={res.rc} other_cpu={B.fmt(res.other_cores, 2)}cores", flush=True)

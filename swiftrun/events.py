@@ -34,6 +34,8 @@ class EventName(str, enum.Enum):
     NODE_JOINED = "node_joined"  # node_rank, slot (None: a hot spare), incarnation, host, pid
     NODE_LOST = "node_lost"  # node_rank, slot, incarnation, cause, host
     NODE_TAKEOVER = "node_takeover"  # node_rank (the spare's), slot, incarnation
+    # the agent's zygote: state warming (pid) / warm (seconds) / forked (slot, rank, pid, ms) / failed (reason)
+    ZYGOTE = "zygote"
 
 
 class EventLog:

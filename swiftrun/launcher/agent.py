@@ -18,13 +18,14 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from swiftrun import protocol
-from swiftrun.config import LaunchConfig
+from swiftrun.config import EntrypointKind, LaunchConfig
 from swiftrun.errors import LaunchError, ProtocolError
 from swiftrun.dashboard.live import Dashboard
 from swiftrun.events import EventLog, EventName
@@ -35,6 +36,8 @@ from swiftrun.launcher.job import Job
 from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
 from swiftrun.launcher.script import uses_swiftrun
 from swiftrun.launcher.store import AgentStore
+from swiftrun.launcher.zygote import ZygoteClient, ZygoteEvent, ZygoteState
+from swiftrun.runtime.zygote_wire import ZygoteKind
 from swiftrun.snapshot import JobSnapshot
 
 SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots
@@ -74,10 +77,16 @@ class Agent:
         self.pump: LogPump | None = None
         self.job: Job | None = None
         self._reaped: set[int] = set()
+        self.zygote = ZygoteClient()
+        self._forking: dict[int, _PendingFork] = {}  # slot -> a FORK the zygote has not answered yet
+        self._early_hellos: dict[int, tuple[bytes, protocol.Hello]] = {}  # pid -> HELLO that beat its FORKED
+        self._idle_sent = False
+        self._router: zmq.Socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
+        """The set-up every agent shares (sockets, signals, output, zygote), then the one loop, then teardown."""
         ctx = zmq.Context()
         router = ctx.socket(zmq.ROUTER)
         router.linger = 0
@@ -92,12 +101,8 @@ class Agent:
                 router.bind(self.ctl_addr)
             except zmq.ZMQError as exc:
                 raise LaunchError(f"cannot open the control socket {self.ctl_addr}: {exc}") from None
-            master_addr, port = self._store_endpoint()
-            self.store = AgentStore(master_addr, port, self.config.world_size)
-            self.ends = envs.JobEndpoints(
-                master_addr=master_addr, master_port=self.store.port, ctl_addr=self.ctl_addr, token=self.token,
-                run_id=self.run_id, attempt_dir=self._attempt_dir(0),
-            )
+            self._connect(ctx)
+            self.ends = self._endpoints()
             for signum in self.config.signals_to_handle:
                 old_handlers[signum] = signal.signal(signum, _record_signal)
             old_wakeup = signal.set_wakeup_fd(sig_w.fileno(), warn_on_full_buffer=False)
@@ -107,16 +112,34 @@ class Agent:
             if banner:
                 print(banner, file=sys.stderr)
             self.reporter.start()
-            self._note(f"event log: {self.event_log_path}")
-            self.job = Job(self.config, time.monotonic(), wall_offset=time.time() - time.monotonic(),
-                           registers=uses_swiftrun(self.config.entrypoint))
-            self.event_log.write(EventName.JOB_START, config=_config_dict(self.config), world_size=self.config.world_size,
-                                 script=self.config.entrypoint.target, pid=os.getpid())
-            self._execute(self.job.start(time.monotonic()))
+            if uses_swiftrun(self.config.entrypoint):
+                self._start_zygote()  # with the workers, as spares start: it warms up while they import
+            self._begin(time.monotonic())
             self._loop(router, sig_r)
         finally:
             self._teardown(router, ctx, sig_r, sig_w, old_handlers, old_wakeup)
         return self.exit_code if self.exit_code is not None else 1
+
+    def _connect(self, ctx: zmq.Context) -> None:
+        """More sockets before the loop starts (a node agent's DEALER to the coordinator); none on one node."""
+
+    def _endpoints(self) -> envs.JobEndpoints:
+        """Where the store and the control socket are; on one node the agent hosts the store."""
+        master_addr, port = self._store_endpoint()
+        self.store = AgentStore(master_addr, port, self.config.world_size)
+        return envs.JobEndpoints(
+            master_addr=master_addr, master_port=self.store.port, ctl_addr=self.ctl_addr, token=self.token,
+            run_id=self.run_id, attempt_dir=self._attempt_dir(0),
+        )
+
+    def _begin(self, now: float) -> None:
+        """Start the job: on one node the local state machine decides."""
+        self._note(f"event log: {self.event_log_path}")
+        self.job = Job(self.config, now, wall_offset=time.time() - time.monotonic(),
+                       registers=uses_swiftrun(self.config.entrypoint))
+        self.event_log.write(EventName.JOB_START, config=_config_dict(self.config), world_size=self.config.world_size,
+                             script=self.config.entrypoint.target, pid=os.getpid())
+        self._execute(self.job.start(time.monotonic()))
 
     def _store_endpoint(self) -> tuple[str, int]:
         c = self.config
@@ -126,13 +149,21 @@ class Agent:
         return c.master_addr, c.master_port
 
     def _loop(self, router: zmq.Socket, sig_r: socket.socket) -> None:
+        self._router = router
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(sig_r.fileno(), zmq.POLLIN)
         self._register_extra(poller)
         registered_fds: dict[int, int] = {}
+        zygote_fd: int | None = None
         assert self.job is not None
         while self.exit_code is None:
+            if self.zygote.fileno() != zygote_fd:  # started, or gone
+                if zygote_fd is not None:
+                    poller.unregister(zygote_fd)
+                zygote_fd = self.zygote.fileno()
+                if zygote_fd is not None:
+                    poller.register(zygote_fd, zmq.POLLIN)
             for slot_id, proc in self.procs.items():  # keep pidfds in the poller in step with the processes
                 if proc.pidfd is not None and proc.pidfd not in registered_fds:
                     registered_fds[proc.pidfd] = slot_id
@@ -141,7 +172,16 @@ class Agent:
             timeout = max(0.0, self.job.next_deadline(now) - now)
             if any(p.pidfd is None and p.alive for p in self.procs.values()):
                 timeout = min(timeout, self.config.monitor_interval)
+            zygote_deadline = self.zygote.next_deadline(self.config.timeouts.startup_timeout)
+            if zygote_deadline is not None:
+                timeout = min(timeout, max(0.0, zygote_deadline - now) + 0.01)
             ready = dict(poller.poll(timeout * 1000))
+            # the zygote first: a forked worker's HELLO must find its pid known (FORKED names it)
+            if zygote_fd is not None and zygote_fd in ready:
+                self._on_zygote(self.zygote.read())
+            why = self.zygote.overdue(time.monotonic(), self.config.timeouts.startup_timeout)
+            if why is not None:
+                self._zygote_failed(why)
             if router in ready:
                 self._drain_router(router)
             self._handle_extra(ready)
@@ -187,6 +227,7 @@ class Agent:
                     slot.traceback = read_error_file(error_file)
         # a plain exit needs no cause: its exit code says it all (format_summary keeps "cause" for hangs, stalls)
         self._execute(self.job.on_exit(slot_id, rc, time.monotonic(), error_file=error_file))
+        self._reap_orphans()
 
     # ------------------------------------------------------------------ messages
 
@@ -214,6 +255,9 @@ class Agent:
             if isinstance(msg, protocol.Heartbeat):
                 self._execute(self.job.on_alive(slot_id, now, msg.step))
             elif isinstance(msg, protocol.Status):
+                if not self._idle_sent and msg.step >= 0:
+                    self._idle_sent = True  # training runs: the zygote's warm-up yields the CPU from now on
+                    self.zygote.idle()
                 self._execute(self.job.on_status(slot_id, now, msg.step, msg.loss, msg.step_time, msg.metrics))
                 if slot.rank == 0 and msg.step != self._last_progress_step:
                     self._progress.append((now, msg.step))
@@ -264,6 +308,8 @@ class Agent:
             return
         slot_id = next((sid for sid, p in self.procs.items() if p.pid == msg.pid), None)
         if slot_id is None:
+            if self._forking:  # a forked worker faster than the zygote's FORKED: replayed once it is adopted
+                self._early_hellos[msg.pid] = (identity, msg)
             return
         self.identities[slot_id] = identity
         self.slot_by_identity[identity] = slot_id
@@ -307,6 +353,8 @@ class Agent:
                 proc = self.procs.get(action.slot_id)
                 if proc is not None:
                     proc.signal_group(action.signum)
+                elif action.slot_id in self._forking:  # carried out once the zygote says which pid it is
+                    self._forking[action.slot_id].signals.append(action.signum)
             elif isinstance(action, ResetStore):
                 if self.store is not None:  # a node agent's store lives with the coordinator
                     self.store.reset()
@@ -330,6 +378,9 @@ class Agent:
         local_rank = None if action.rank is None else self._local(action.rank)
         if local_rank is not None:  # as torchrun: the folder of TORCHELASTIC_ERROR_FILE exists (torch's @record)
             Path(env["TORCHELASTIC_ERROR_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+        # spares and replacements come warm from the zygote; the first workers of an attempt start as torchrun's
+        if (action.rank is None or action.joining) and self._fork(action, env, local_rank):
+            return
         argv = procs.worker_argv(self.config, spare=action.rank is None)
         try:
             if self.plan.piped:
@@ -344,6 +395,137 @@ class Agent:
             return
         self.procs[action.slot_id] = proc
         self._execute(self.job.on_spawned(action.slot_id, proc.pid, time.monotonic()))
+
+    # ------------------------------------------------------------------ the zygote
+
+    def _start_zygote(self) -> None:
+        """One zygote per agent, for jobs that get spares: it warms up while the workers start."""
+        c = self.config
+        hot_spare_node = c.multinode and c.node_rank >= c.nnodes[0]  # its whole purpose: take a lost slot at once
+        if not c.swift or (c.spares <= 0 and not hot_spare_node) or c.entrypoint.kind is EntrypointKind.EXECUTABLE:
+            return
+        if os.environ.get("SWIFTRUN_NO_ZYGOTE") == "1":  # benchmarks: spares and replacements as before the zygote
+            self.zygote.state = ZygoteState.FAILED
+            return
+        if self.zygote.state is not ZygoteState.OFF:
+            return
+        env = envs.worker_environ(c, self.ends, None, attempt=0, incarnation=0, generation=0, joining=False)
+        if "OMP_NUM_THREADS" not in env and "OPENBLAS_NUM_THREADS" not in env:
+            # numpy's OpenBLAS starts its thread pool at import; the zygote must stay single-threaded to fork
+            env["OPENBLAS_NUM_THREADS"] = "1"
+        stderr = None if os.environ.get("SWIFTRUN_LOGLEVEL") else subprocess.DEVNULL
+        why = self.zygote.start(procs.python_executable(c), env, stderr)
+        if why is not None:
+            self._note(f"no zygote ({why}): spares start cold")
+        else:
+            self.event_log.write(EventName.ZYGOTE, state="warming", pid=self.zygote.pid)
+
+    def _fork(self, action: Spawn, env: dict[str, str], local_rank: int | None) -> bool:
+        """Ask the zygote for this worker; False: start it cold."""
+        if self.config.entrypoint.kind is EntrypointKind.EXECUTABLE:
+            return False
+        if self.zygote.state is ZygoteState.OFF:
+            self._start_zygote()  # a script that registers without saying so in its text: first spare
+        if not self.zygote.usable:
+            return False
+        reads: tuple[int, int] | None = None
+        if self.plan.piped:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            reads, writes, ours = (out_r, err_r), (out_w, err_w), [out_w, err_w]
+        elif self.plan.inherit_target(local_rank) == subprocess.DEVNULL:
+            null = os.open(os.devnull, os.O_WRONLY)
+            writes, ours = (null, null), [null]
+        else:
+            writes, ours = (1, 2), []  # the agent's own terminal, as a spawned worker inherits it
+        try:
+            sent = self.zygote.fork(action.slot_id, procs.bootstrap_args(self.config), env, *writes)
+        finally:
+            for fd in ours:
+                os.close(fd)  # the zygote holds its own copies now
+        if not sent:
+            for fd in reads or ():
+                os.close(fd)
+            self._zygote_note()
+            return False
+        self._forking[action.slot_id] = _PendingFork(action, local_rank, reads)
+        return True
+
+    def _on_zygote(self, events: list[ZygoteEvent]) -> None:
+        assert self.job is not None
+        for ev in events:
+            if ev.kind is ZygoteKind.READY:
+                self._note(f"zygote warm in {ev.seconds:.1f}s: spares and replacements fork from it in milliseconds")
+                self.event_log.write(EventName.ZYGOTE, state="warm", seconds=ev.seconds)
+            elif ev.kind is ZygoteKind.FORKED:
+                assert ev.slot is not None and ev.pid is not None
+                self._adopt(ev.slot, ev.pid, ev.seconds or 0.0)
+            else:  # FORK_FAILED, WARM_FAILED, gone
+                self._zygote_failed(ev.reason, also=[ev.slot] if ev.slot is not None else [])
+                return
+
+    def _adopt(self, slot_id: int, pid: int, seconds: float) -> None:
+        assert self.job is not None
+        pending = self._forking.pop(slot_id, None)
+        stdout = stderr = None
+        if pending is not None and pending.reads is not None:
+            stdout, stderr = (os.fdopen(fd, "rb", buffering=0) for fd in pending.reads)
+        proc = procs.adopt(pid, stdout, stderr)
+        self.procs[slot_id] = proc
+        if pending is None:  # not ours to know (never expected): no worker may go unwatched
+            proc.signal_group(signal.SIGKILL)
+            return
+        if self.pump is not None and stdout is not None:
+            self.pump.add(slot_id, pending.local_rank, stdout, stderr, self.ends.attempt_dir)
+        action = pending.action
+        self.event_log.write(EventName.ZYGOTE, state="forked", slot=slot_id, rank=action.rank, pid=pid,
+                             ms=round(seconds * 1000, 1))
+        if action.rank is not None:  # no spare was left: the replacement itself came warm
+            self._note(f"rank {action.rank}: replacement forked warm from the zygote ({seconds * 1000:.0f} ms)")
+        self._execute(self.job.on_spawned(slot_id, pid, time.monotonic()))
+        for signum in pending.signals:
+            proc.signal_group(signum)
+        early = self._early_hellos.pop(pid, None)
+        if early is not None and self._router is not None:
+            self._on_hello(self._router, early[0], early[1], time.monotonic())
+
+    def _zygote_failed(self, reason: str, also: list[int] | None = None) -> None:
+        """Never lose the job to the zygote: what it did not fork starts cold, and it is said once."""
+        slots = sorted(set(self.zygote.fail(reason)) | set(also or ()))
+        self._zygote_note()
+        for slot_id in slots:
+            pending = self._forking.pop(slot_id, None)
+            if pending is None:
+                continue
+            for fd in pending.reads or ():
+                os.close(fd)
+            if pending.signals:  # the state machine gave up on it already: nothing to start
+                self._execute(self.job.on_exit(slot_id, -pending.signals[-1], time.monotonic()))  # type: ignore[union-attr]
+                continue
+            self._spawn(pending.action)
+        self._early_hellos.clear()
+
+    def _zygote_note(self) -> None:
+        if self.zygote.state is ZygoteState.FAILED and not getattr(self, "_zygote_noted", False):
+            self._zygote_noted = True
+            self._note(f"zygote stopped ({self.zygote.failure}): spares and replacements start cold from now on")
+            self.event_log.write(EventName.ZYGOTE, state="failed", reason=self.zygote.failure)
+
+    def _reap_orphans(self) -> None:
+        """As a child subreaper the agent inherits orphaned descendants of workers (a DataLoader worker whose
+        worker died): reap those that exited, so that no zombie piles up."""
+        if self.zygote.state is ZygoteState.OFF:
+            return
+        known = {p.pid for p in self.procs.values() if p.alive}
+        if self.zygote.pid is not None:
+            known.add(self.zygote.pid)
+        for pid in _children():
+            if pid in known:
+                continue
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
     def _assign(self, action: Assign) -> None:
         env = envs.rank_env(self.config, self.ends, action.rank, action.attempt)
@@ -390,6 +572,12 @@ class Agent:
         for proc in self.procs.values():
             if proc.alive:
                 proc.signal_group(signal.SIGKILL)
+        self.zygote.close()
+        if self.zygote.state is not ZygoteState.OFF:
+            # a worker forked but not yet announced (or anything else reparented to us) is ours to end too
+            for pid in _children():
+                if not any(p.pid == pid for p in self.procs.values()):
+                    _kill_and_reap(pid)
         for proc in self.procs.values():
             if proc.popen.returncode is None:
                 try:
@@ -435,6 +623,48 @@ class Agent:
 
     def _local(self, rank: int) -> int:
         return rank - self.config.node_rank * self.config.nproc_per_node
+
+
+@dataclass
+class _PendingFork:
+    """A worker asked of the zygote: what to start cold if it never comes, and what the loop did meanwhile."""
+
+    action: Spawn
+    local_rank: int | None
+    reads: tuple[int, int] | None  # our ends of its stdout/stderr pipes (when output is relayed)
+    signals: list[int] = field(default_factory=list)  # Kills the state machine asked for before the pid was known
+
+
+def _children() -> list[int]:
+    """This process's children, as the kernel lists them (every thread's: the subreaper adopts into any)."""
+    pids: list[int] = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/children") as f:
+                    pids.extend(int(p) for p in f.read().split())
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return pids
+
+
+def _kill_and_reap(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        time.sleep(0.01)
 
 
 def _record_signal(signum, frame) -> None:

@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -196,51 +196,27 @@ class NodeAgent(Agent):
         self._last_join = 0.0
         self.slot: int | None = None
 
-    def run(self) -> int:  # noqa: C901  (the same set-up as Agent.run, without a store or a local Job)
-        import swiftrun.launcher.agent as agent_mod
-
-        ctx = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.linger = 0
-        router.router_mandatory = 1
+    def _connect(self, ctx: zmq.Context) -> None:
         self.dealer = ctx.socket(zmq.DEALER)
         self.dealer.linger = 0
         self.dealer.identity = self.identity
-        sig_r, sig_w = socket.socketpair()
-        sig_r.setblocking(False)
-        sig_w.setblocking(False)
-        old_handlers: dict[int, Any] = {}
-        old_wakeup = -1
         try:
-            try:
-                router.bind(self.ctl_addr)
-            except zmq.ZMQError as exc:
-                raise LaunchError(f"cannot open the control socket {self.ctl_addr}: {exc}") from None
-            try:
-                self.dealer.connect(self.coordinator_addr)
-            except zmq.ZMQError as exc:
-                raise LaunchError(f"cannot reach the coordinator at {self.coordinator_addr}: {exc}") from None
-            self.ends = envs.JobEndpoints(
-                master_addr=self.config.master_addr, master_port=self.config.master_port, ctl_addr=self.ctl_addr,
-                token=self.token, run_id=self.run_id, attempt_dir=self._attempt_dir(0),
-            )
-            for signum in self.config.signals_to_handle:
-                old_handlers[signum] = signal.signal(signum, agent_mod._record_signal)
-            old_wakeup = signal.set_wakeup_fd(sig_w.fileno(), warn_on_full_buffer=False)
-            if self.plan.piped:
-                self.pump = agent_mod.LogPump(self.plan, self._console_line)
-            banner = envs.omp_threads_banner(self.config)
-            if banner:
-                print(banner, file=sys.stderr)
-            self.reporter.start()
-            now = time.monotonic()
-            self.remote = RemoteJob(self.config, self._to_coordinator, now)
-            self.job = self.remote  # type: ignore[assignment]  (the loop's calls, forwarded)
-            self._join(now)
-            self._loop(router, sig_r)
-        finally:
-            self._teardown(router, ctx, sig_r, sig_w, old_handlers, old_wakeup)
-        return self.exit_code if self.exit_code is not None else 1
+            self.dealer.connect(self.coordinator_addr)
+        except zmq.ZMQError as exc:
+            raise LaunchError(f"cannot reach the coordinator at {self.coordinator_addr}: {exc}") from None
+
+    def _endpoints(self) -> envs.JobEndpoints:
+        """The store lives with the coordinator: its address comes with ACCEPT."""
+        return envs.JobEndpoints(
+            master_addr=self.config.master_addr, master_port=self.config.master_port, ctl_addr=self.ctl_addr,
+            token=self.token, run_id=self.run_id, attempt_dir=self._attempt_dir(0),
+        )
+
+    def _begin(self, now: float) -> None:
+        """Join the job: the coordinator decides from here on."""
+        self.remote = RemoteJob(self.config, self._to_coordinator, now)
+        self.job = self.remote  # type: ignore[assignment]  (the loop's calls, forwarded)
+        self._join(now)
 
     # ------------------------------------------------------------------ the coordinator link
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -28,21 +29,68 @@ def worker_argv(config: LaunchConfig, spare: bool = False) -> list[str]:
     ep: Entrypoint = config.entrypoint
     if ep.kind is EntrypointKind.EXECUTABLE:
         return [python_executable(config), "-m", "swiftrun.runtime.execshim", ep.target, *ep.args]
-    mode = "module" if ep.kind is EntrypointKind.MODULE else "script"
     # -u as torchrun does: worker output must not sit in a buffer when the process dies
-    return [python_executable(config), "-u", "-m", "swiftrun.runtime.bootstrap", mode, ep.target, *ep.args]
+    return [python_executable(config), "-u", "-m", "swiftrun.runtime.bootstrap", *bootstrap_args(config)]
+
+
+class _Adopted:
+    """The Popen-like handle of a worker the zygote forked: not started by us, but our child all the same.
+
+    The zygote forks twice and the middle process exits at once, so the worker is reparented to the agent (a
+    child subreaper, see swiftrun/launcher/zygote.py): ``waitpid`` works on it exactly as on a spawned worker.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # someone else reaped it (never expected): its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            if self.returncode is None:
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                    self.returncode = os.waitstatus_to_exitcode(status)
+                except ChildProcessError:
+                    self.returncode = 255
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def bootstrap_args(config: LaunchConfig) -> list[str]:
+    """What follows ``-m swiftrun.runtime.bootstrap`` for a Python target (a zygote's child runs it in-process)."""
+    ep: Entrypoint = config.entrypoint
+    mode = "module" if ep.kind is EntrypointKind.MODULE else "script"
+    return [mode, ep.target, *ep.args]
 
 
 @dataclass
 class WorkerProcess:
-    """One spawned OS process and the file descriptors the event loop watches for it."""
+    """One worker OS process (spawned, or forked by the zygote) and the file descriptors the loop watches."""
 
-    popen: subprocess.Popen
+    popen: subprocess.Popen | _Adopted
     pidfd: int | None  # readable when the process exits; None where pidfd_open is unavailable
     stdout: IO[bytes] | None = None  # pipes, when the launcher relays output
     stderr: IO[bytes] | None = None
     returncode: int | None = None
     opened_files: list[IO[bytes]] = field(default_factory=list)
+    forked: bool = False  # came from the zygote
 
     @property
     def pid(self) -> int:
@@ -84,6 +132,20 @@ class WorkerProcess:
         self.opened_files.clear()
 
 
+def adopt(pid: int, stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> WorkerProcess:
+    """Watch a worker the zygote forked (already our child through the subreaper)."""
+    return WorkerProcess(popen=_Adopted(pid), pidfd=_pidfd(pid), stdout=stdout, stderr=stderr, forked=True)
+
+
+def _pidfd(pid: int) -> int | None:
+    if hasattr(os, "pidfd_open"):
+        try:
+            return os.pidfd_open(pid)
+        except OSError:
+            return None  # old kernel: the loop falls back to polling
+    return None
+
+
 def spawn(
     argv: list[str],
     env: dict[str, str],
@@ -101,15 +163,9 @@ def spawn(
         for f in opened_files or ():
             f.close()
         raise LaunchError(f"could not start {argv[0]!r}: {exc.strerror or exc}") from None
-    pidfd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(popen.pid)
-        except OSError:
-            pidfd = None  # old kernel: the loop falls back to polling
     return WorkerProcess(
         popen=popen,
-        pidfd=pidfd,
+        pidfd=_pidfd(popen.pid),
         stdout=popen.stdout,
         stderr=popen.stderr,
         opened_files=list(opened_files or ()),

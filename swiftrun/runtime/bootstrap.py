@@ -1,7 +1,8 @@
 """How every Python worker starts: ``python -u -m swiftrun.runtime.bootstrap {script|module} TARGET ARGS...``.
 
 1. Ask the kernel to SIGKILL this process when the launcher dies, and exit if it already has.
-2. A warm spare imports torch and waits for the launcher to give it a rank.
+2. A warm spare imports torch (or was forked from the zygote with torch imported) and waits for the launcher to
+   give it a rank.
 3. Connect the control link (heartbeats start before the user's first import).
 4. A replacement that joins survivors gets a placeholder process group until swiftrun.Run joins it for real.
 5. Run the target exactly as ``python script.py`` / ``python -m module`` would (``__main__``, ``sys.argv``,
@@ -69,29 +70,60 @@ def _set_idle_priority(native_thread_id: int, idle: bool) -> None:
         pass  # not permitted here: warm up at normal priority
 
 
-def _wait_for_rank(link: Link) -> None:
-    """A spare: warm the expensive imports, then block until ASSIGN gives this process a rank."""
+def _wait_for_rank(link: Link, warm: bool = False) -> None:
+    """A spare: warm the expensive imports (unless forked warm from the zygote), then block until ASSIGN gives
+    this process a rank.
+
+    The warm-up runs in its own thread at SCHED_IDLE and the main thread stays at SCHED_OTHER: an unprivileged
+    process cannot go back from SCHED_IDLE to SCHED_OTHER (EPERM under RLIMIT_NICE 0, checked as uid 65534), so
+    lowering the main thread would leave the replacement running the user's script at idle priority for good.
+    """
     import threading
 
-    main = threading.main_thread().native_id
-    # Spares start with the job and are replenished while it trains: warming up must never slow the workers
-    # (their imports at start-up, their steps later). This thread only: the link thread keeps heartbeating.
-    _set_idle_priority(main, idle=True)
-    link.on_assign = lambda: _set_idle_priority(main, idle=False)  # a rank is needed now: full speed
-    try:
-        _warm_torch()
-    except Exception:  # noqa: BLE001 - warming is an optimisation; a cold start still works
-        log.debug("warming the spare failed", exc_info=True)
-    log.debug("spare warm, waiting for a rank")
+    warmer = None
+    if not warm:
+        def warm_up() -> None:
+            # Spares start with the job and are replenished while it trains: warming up must never slow the
+            # workers (their imports at start-up, their steps later).
+            _set_idle_priority(threading.get_native_id(), idle=True)
+            try:
+                _warm_torch()
+            except Exception:  # noqa: BLE001 - warming is an optimisation; a cold start still works
+                log.debug("warming the spare failed", exc_info=True)
+            log.debug("spare warm, waiting for a rank")
+
+        warmer = threading.Thread(target=warm_up, name="swiftrun-warm", daemon=True)
+        warmer.start()
+        # a rank is needed now: let the rest of the warm-up run at full speed where the OS allows it (root)
+        link.on_assign = lambda: _set_idle_priority(warmer.native_id or 0, idle=False) if warmer.is_alive() else None
     link.wait_for(lambda: link.command(CommandKind.ASSIGN) is not None or link.command(CommandKind.SHUTDOWN) is not None)
-    _set_idle_priority(main, idle=False)
     if link.command(CommandKind.SHUTDOWN) is not None:
         link.close()
         os._exit(0)
+    if warmer is not None and warmer.is_alive():
+        _set_idle_priority(warmer.native_id or 0, idle=False)
+        # the script imports the same modules: Python's per-module import locks make it wait for the warm-up of a
+        # module already under way rather than import it twice; joining keeps the order simple
+        warmer.join()
     assign = link.command(CommandKind.ASSIGN)
     assert assign is not None
     os.environ.update({k: str(v) for k, v in assign.args["env"].items()})
+    _apply_thread_count()
     link.rank = int(assign.args["rank"])
+
+
+def _apply_thread_count() -> None:
+    """torch sized its thread pool when it was imported (a spare, a zygote's child): follow OMP_NUM_THREADS now."""
+    torch = sys.modules.get("torch")
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is None or not value:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        return
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def _placeholder_process_group(runtime: process.ProcessRuntime) -> None:
@@ -161,7 +193,8 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], warm: bool = False) -> None:
+    """``warm``: this process was forked from the zygote with torch already imported (swiftrun/runtime/zygote.py)."""
     if len(argv) < 2 or argv[0] not in ("script", "module"):
         sys.stderr.write("usage: python -m swiftrun.runtime.bootstrap {script|module} TARGET [ARGS...]\n")
         sys.exit(2)
@@ -171,11 +204,13 @@ def main(argv: list[str]) -> None:
                             format="%(relativeCreated)8.0fms swiftrun[%(process)d] %(message)s")
     wenv = WorkerEnv.read()
     _die_with_parent(wenv.launcher_pid)
+    if warm:
+        _apply_thread_count()
     link = None
     if wenv.ctl_addr:
         link = Link(wenv)
         if wenv.spare:
-            _wait_for_rank(link)
+            _wait_for_rank(link, warm=warm)
             log.debug("spare assigned rank %s", os.environ.get("RANK"))
             wenv = WorkerEnv.read()
             link.wenv = wenv
