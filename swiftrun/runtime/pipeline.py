@@ -21,10 +21,11 @@ global RNG streams are left untouched. The per-iteration results of the script's
 alone, so they are served to it from a neighbour's log.
 
 Stage checkpoints: at every ``checkpoint_every``-th step start (and at the first step after a recovery), each rank
-serialises its registered state and RNG and sends it to the next rank of its pipeline, which keeps it in memory
-(the last stage's goes to the first). A lost stage is rebuilt from that copy with no disk read. Logs older than
-the previous checkpoint are dropped one step after the new checkpoint was exchanged (by then every neighbour has
-finished the exchange, so no replay can need them).
+takes a host copy of its registered state and RNG and sends it, in the background over a channel of its own, to
+the next rank of its pipeline, which installs it in memory once it has arrived whole (the last stage's goes to
+the first; runtime/pp_ckpt.py). A lost stage is rebuilt from that copy with no disk read. Logs older than the
+new checkpoint are dropped only once every holder has installed it; until then a failure replays from the
+previous checkpoint, whose logs are still there.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime import pp_logplan, subgroups
+from swiftrun.runtime import collectives, pp_logplan, subgroups
+from swiftrun.runtime.pp_ckpt import Exchange, HostCopies, snapshot
 from swiftrun.runtime import state as st
-from swiftrun.runtime.pp_handover import CheckpointDir, from_bytes, swap, to_bytes
+from swiftrun.runtime.pp_handover import CheckpointDir, from_bytes
 from swiftrun.runtime.pp_log import LogStore
 from swiftrun.runtime.pp_plan import StageStatus
 from swiftrun.runtime.registry import RegistrationError
@@ -96,7 +98,9 @@ class Pipeline:
         self.coll: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._coll_seq = 0
         self.log_start = 0  # the oldest step whose sends are still logged
-        self._gc_at: int | None = None  # drop logs below this step at the next step start after it
+        self.exchange = Exchange()  # the background checkpoint exchange (runtime/pp_ckpt.py)
+        self.channel: Any = None  # its process group, one per generation
+        self._copies = HostCopies(_host_copy)  # the snapshot's host buffers, reused checkpoint after checkpoint
         self.held: tuple[int, int, torch.Tensor] | None = None  # (for rank, step, serialised checkpoint)
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
@@ -170,10 +174,24 @@ class Pipeline:
         self.keep_own = any(position in g and len(g) > 1 for g in self.groups)
 
     def regroup(self) -> None:
-        """Point stages built on one of the script's subgroups at its counterpart of the new generation."""
+        """Point stages built on one of the script's subgroups at its counterpart of the new generation, and
+        create the checkpoint exchange's channel of this generation (every rank, in the same order; through the
+        group manager, so an abort releases an exchange blocked on a dead peer at once)."""
         for stage in self.stages:
             if stage.group is not None:
                 stage.group = subgroups.current(stage.group)
+        assert not self.exchange.running, "stop_exchange() before the groups are rebuilt"
+        self.channel = None
+        if len(self.pipe_ranks()) > 1:
+            with collectives.internal():
+                self.channel = self.rec.group.new_group(list(range(self.rec.world_size)))
+
+    def stop_exchange(self, timeout: float) -> None:
+        """Before a recovery rebuilds the groups: the exchange in flight ends (the abort released its channel),
+        leaving this rank with the last checkpoint it had installed whole."""
+        if not self.exchange.wait(timeout):
+            raise RecoveryError(f"the stage checkpoint exchange of step {self.exchange.step} did not stop within "
+                                f"{timeout:.0f}s of the abort")
 
     # ------------------------------------------------------------------ interception
 
@@ -301,16 +319,15 @@ class Pipeline:
             self.volume, self._volume_now = self._volume_now, {}
         if self.replay is not None:
             return
-        if self._gc_at is not None and step > self._gc_at:
-            self._drop_before(self._gc_at)
-            self._gc_at = None
+        complete = self.exchange.complete_step
+        if complete > self.log_start:  # every holder has installed it: no replay can start before it
+            self._drop_before(complete)
         due = step % self.every == 0 or self.force_checkpoint
         if due and self.groups is None and step > 0 and pp_logplan.budget() is not None:
             pp_logplan.decide(self, step)  # a collective: every rank reaches this checkpoint step
         if due:
             self._exchange(step)
             self.force_checkpoint = False
-            self._gc_at = step
 
     def _drop_before(self, step: int) -> None:
         self.log.drop(lambda k: k[0] < step)
@@ -325,19 +342,31 @@ class Pipeline:
             del self.coll[key]
 
     def _exchange(self, step: int) -> None:
-        """Send this rank's checkpoint of ``step`` to the next rank of the pipeline; keep the previous rank's."""
+        """Snapshot this rank's checkpoint of ``step`` and exchange it in the background: to the next rank of the
+        pipeline, the previous rank's in (runtime/pp_ckpt.py)."""
         prev, nxt = self._neighbours()
-        if prev == self.rec.rank:
+        if prev == self.rec.rank or self.channel is None:
             return  # a one-rank pipeline has nobody to hold its checkpoint (a DP-only job never gets here)
+        if self.exchange.running:  # the previous one is still under way: one at a time
+            started = time.monotonic()
+            self.exchange.wait()
+            log.debug("stage checkpoint of step %d waited %.3fs for the exchange of step %d", step,
+                      time.monotonic() - started, self.exchange.step)
         started = time.monotonic()
-        data = to_bytes({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
-        received = swap(data, nxt, prev, self.rec.group.device())
-        self.held = (prev, step, received)
-        self.own = (step, data) if self.keep_own else None
+        snap = snapshot({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()},
+                        self._copies.begin())
+        log.debug("stage checkpoint of step %d: snapshot in %.3fs", step, time.monotonic() - started)
+        self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=_copies_done(),
+                            install=lambda s, received, sent: self._install(prev, s, received, sent))
+
+    def _install(self, prev: int, step: int, received: torch.Tensor, sent: torch.Tensor) -> None:
+        """In the exchange thread, once both transfers are whole: hold the previous rank's checkpoint, keep this
+        rank's own copy (a logging group rolls back to it), write it to the stage checkpoint directory."""
+        self.held = (prev, step, received)  # one assignment: a recovery sees the old checkpoint or the new one
+        self.own = (step, sent) if self.keep_own else None
         if self.disk is not None:
-            self.disk.write(self.rec.rank, step, data)
-        log.debug("stage checkpoint of step %d exchanged (%d bytes out, %d in) in %.3fs", step, data.numel(),
-                  received.numel(), time.monotonic() - started)
+            self.disk.write(self.rec.rank, step, sent)
+            self.disk.flush()  # complete means on disk too: the copy of last resort needs the same logs
 
     # ------------------------------------------------------------------ recovery
 
@@ -486,6 +515,18 @@ def _generators(device: torch.device) -> list[torch.Generator]:
 
 
 _copy_streams: dict[int, Any] = {}  # GPU index -> the side stream log copies run on
+
+
+def _copies_done() -> Callable[[], None]:
+    """What waits, in another thread, for the host copies issued so far on the side streams (a snapshot's)."""
+    if not _copy_streams:
+        return lambda: None
+    events = []
+    for side in _copy_streams.values():
+        event = torch.cuda.Event()
+        event.record(side)
+        events.append(event)
+    return lambda: [e.synchronize() for e in events] and None
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,8 @@ def hand_over(pp: Pipeline, plan: PipePlan) -> Replay | None:
 def to_bytes(obj: Any) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    # a view of the buffer, not a copy of it (a stage checkpoint is the size of the stage's state)
+    return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
 
 
 def from_bytes(data: torch.Tensor) -> Any:
@@ -87,15 +88,17 @@ def _tag(device: torch.device, tag: int) -> dict:
     return {} if device.type == "cuda" else {"tag": tag}  # NCCL has no tags: order per pair is enough
 
 
-def swap(data: torch.Tensor, to: int, frm: int, device: torch.device) -> torch.Tensor:
-    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (one step of a ring)."""
+def swap(data: torch.Tensor, to: int, frm: int, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (one step of a ring), on
+    ``group`` (global ranks; None: the default group)."""
     size_out = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     size_in = torch.empty(1, dtype=torch.int64, device=device)
-    for work in (dist.isend(size_out, to, **_tag(device, _TAG_SIZE)), dist.irecv(size_in, frm, **_tag(device, _TAG_SIZE))):
+    for work in (dist.isend(size_out, to, group=group, **_tag(device, _TAG_SIZE)),
+                 dist.irecv(size_in, frm, group=group, **_tag(device, _TAG_SIZE))):
         work.wait()
     inbound = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device)
-    for work in (dist.isend(data.to(device), to, **_tag(device, _TAG_DATA)),
-                 dist.irecv(inbound, frm, **_tag(device, _TAG_DATA))):
+    for work in (dist.isend(data.to(device), to, group=group, **_tag(device, _TAG_DATA)),
+                 dist.irecv(inbound, frm, group=group, **_tag(device, _TAG_DATA))):
         work.wait()
     return inbound.cpu()
 
@@ -132,6 +135,11 @@ class CheckpointDir:
         self._writer = threading.Thread(target=self._write, args=(rank, step, payload), daemon=True,
                                         name="swiftrun-stage-ckpt")
         self._writer.start()
+
+    def flush(self) -> None:
+        """Wait for the write in flight, if any."""
+        if self._writer is not None:
+            self._writer.join()
 
     def _write(self, rank: int, step: int, payload: bytes) -> None:
         final = self.path / f"rank{rank}.step{step}.ckpt"
