@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -92,8 +93,15 @@ def snapshot(tree: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> 
     if isinstance(tree, list):
         return [snapshot(v, copy_tensor) for v in tree]
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        if all(type(v) in _ATOMIC for v in tree):
+            return tree  # immutable all the way down (Python's RNG state: 625 ints, walked once per step before)
         return tuple(snapshot(v, copy_tensor) for v in tree)
+    if type(tree) in _ATOMIC:
+        return tree
     return copy.deepcopy(tree)
+
+
+_ATOMIC = (int, float, bool, str, bytes, type(None))
 
 
 class Exchange:
@@ -105,11 +113,16 @@ class Exchange:
         self.complete_step = -1  # the newest step installed at every holder (logs before it may go)
         self.error: BaseException | None = None
         self.seconds = 0.0  # how long the last finished exchange took in the background
+        # one long-lived thread takes the exchanges from a queue: starting a thread per checkpoint made the
+        # step wait for the new thread to get the GIL (8 ms per checkpoint on a loaded machine, profiled)
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._idle.is_set()
 
     def start(self, step: int, snap: Any, channel: Any, to: int, frm: int, device: torch.device,
               ready: Callable[[], None], install: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
@@ -118,9 +131,20 @@ class Exchange:
         when both transfers are complete, before the completion all-reduce."""
         assert not self.running, "one checkpoint exchange at a time"
         self.state, self.step, self.error = ExchangeState.RUNNING, step, None
-        self._thread = threading.Thread(target=self._run, name="swiftrun-stage-ckpt-exchange", daemon=True,
-                                        args=(step, snap, channel, to, frm, device, ready, install))
-        self._thread.start()
+        self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="swiftrun-stage-ckpt-exchange", daemon=True)
+            self._thread.start()
+        self._jobs.put((step, snap, channel, to, frm, device, ready, install))
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                self._run(*job)
+            finally:
+                del job  # the snapshot's references go before the next one is taken
+                self._idle.set()
 
     def _run(self, step: int, snap: Any, channel: Any, to: int, frm: int, device: torch.device,
              ready: Callable[[], None], install: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
@@ -141,12 +165,7 @@ class Exchange:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the exchange in flight (if any); True when it finished (complete or failed)."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                return False
-        return True
+        return self._idle.wait(timeout)
 
 
 def _exchange(step: int, snap: Any, channel: Any, to: int, frm: int, device: torch.device,
