@@ -102,6 +102,10 @@ class Pipeline:
         self.channel: Any = None  # its process group, one per generation
         self._copies = HostCopies(_host_copy)  # the snapshot's host buffers, reused checkpoint after checkpoint
         self.held: tuple[int, int, torch.Tensor] | None = None  # (for rank, step, serialised checkpoint)
+        # the previous checkpoints (held, own), kept until the newer one is complete at every holder: a recovery
+        # in between may need them (runtime/pp_plan.py picks the newest step a whole replay set has)
+        self.held_prev: tuple[int, int, torch.Tensor] | None = None
+        self.own_prev: tuple[int, torch.Tensor] | None = None
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
         self.parallel: Any = None  # runtime/pp_parallel.Leader while helpers replay with this rank
@@ -319,15 +323,24 @@ class Pipeline:
             self.volume, self._volume_now = self._volume_now, {}
         if self.replay is not None:
             return
-        complete = self.exchange.complete_step
-        if complete > self.log_start:  # every holder has installed it: no replay can start before it
-            self._drop_before(complete)
+        self._retire(self.exchange.complete_step)
         due = step % self.every == 0 or self.force_checkpoint
         if due and self.groups is None and step > 0 and pp_logplan.budget() is not None:
             pp_logplan.decide(self, step)  # a collective: every rank reaches this checkpoint step
         if due:
             self._exchange(step)
             self.force_checkpoint = False
+
+    def _retire(self, complete: int) -> None:
+        """Checkpoint ``complete`` is installed at every holder: no replay can start before it any more."""
+        if complete < 0:
+            return
+        if complete > self.log_start:
+            self._drop_before(complete)
+        if self.held_prev is not None and self.held_prev[1] < complete:
+            self.held_prev = None
+        if self.own_prev is not None and self.own_prev[0] < complete:
+            self.own_prev = None
 
     def _drop_before(self, step: int) -> None:
         self.log.drop(lambda k: k[0] < step)
@@ -362,8 +375,9 @@ class Pipeline:
     def _install(self, prev: int, step: int, received: torch.Tensor, sent: torch.Tensor) -> None:
         """In the exchange thread, once both transfers are whole: hold the previous rank's checkpoint, keep this
         rank's own copy (a logging group rolls back to it), write it to the stage checkpoint directory."""
-        self.held = (prev, step, received)  # one assignment: a recovery sees the old checkpoint or the new one
-        self.own = (step, sent) if self.keep_own else None
+        # the new copy goes in whole, the previous one stays until the new one is complete everywhere
+        self.held_prev, self.held = self.held, (prev, step, received)
+        self.own_prev, self.own = self.own, ((step, sent) if self.keep_own else None)
         if self.disk is not None:
             self.disk.write(self.rec.rank, step, sent)
             self.disk.flush()  # complete means on disk too: the copy of last resort needs the same logs
@@ -372,9 +386,13 @@ class Pipeline:
 
     def status(self, valid: bool, updates: int, boundary: bool, undoable: bool, outside: bool) -> StageStatus:
         held_for, held_step = (self.held[0], self.held[1]) if self.held is not None else (-1, -1)
+        prev = self.held_prev
+        held_prev_step = prev[1] if prev is not None and prev[0] == held_for else -1
         return StageStatus(self.rec.rank, valid, updates, boundary, undoable, self.stage_indices, self.pipe_ranks(),
                            held_for, held_step, self.log_start, outside,
                            own_step=self.own[0] if self.own is not None else -1,
+                           held_prev_step=held_prev_step,
+                           own_prev_step=self.own_prev[0] if self.own_prev is not None else -1,
                            disk_step=self.disk.latest(self.rec.rank) if self.disk is not None else -1)
 
     def part_for(self, replay: Any, member: int, point: int, checkpoint: bool, logs: bool, coll: bool) -> dict:
@@ -382,10 +400,12 @@ class Pipeline:
         stages, the logged collective results."""
         part: dict[str, Any] = {}
         if checkpoint:
-            if self.held is None or self.held[0] != member or self.held[1] != replay.start:
+            held = next((h for h in (self.held, self.held_prev)
+                         if h is not None and h[0] == member and h[1] == replay.start), None)
+            if held is None:
                 raise RecoveryError(f"rank {self.rec.rank} does not hold the checkpoint of step {replay.start} of "
                                     f"rank {member}")
-            part["checkpoint"] = self.held[2]
+            part["checkpoint"] = held[2]
         if logs:
             to_member = {i for i in range(self.num_stages) if self._rank_of(i) == member}
             part["log"] = self.log.select(lambda k: replay.start <= k[0] <= point and k[3] in to_member)
@@ -401,6 +421,10 @@ class Pipeline:
         if self.tap is not None:
             return self.tap.pipe[stage_index]
         return self.stages[0]._resolve_peer_global_rank(stage_index)
+
+    def own_copy(self, step: int) -> torch.Tensor | None:
+        """This rank's own checkpoint of ``step`` (a logging group rolls back to it), if it keeps one."""
+        return next((own[1] for own in (self.own, self.own_prev) if own is not None and own[0] == step), None)
 
     def enter_replay(self, replay: Any, point: int, checkpoint: torch.Tensor, logs: dict, coll: dict) -> None:
         """Install the checkpoint and replay steps ``replay.start .. point``; the set's members talk live, the

@@ -59,9 +59,10 @@ def hand_over(pp: Pipeline, plan: PipePlan) -> Replay | None:
         return None
     source = mine.source_of(rank)
     if source == rank:
-        if pp.own is None or pp.own[0] != mine.start:
+        own = pp.own_copy(mine.start)
+        if own is None:
             raise RecoveryError(f"rank {rank} must roll back to its checkpoint of step {mine.start} but holds none")
-        data = pp.own[1]
+        data = own
     elif source == DISK:
         assert pp.disk is not None
         data = pp.disk.read(rank, mine.start)
