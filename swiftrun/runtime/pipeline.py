@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
 from swiftrun.runtime import collectives, pp_logplan, subgroups
-from swiftrun.runtime.pp_ckpt import Exchange, HostCopies, snapshot
+from swiftrun.runtime.pp_ckpt import Exchange, FlatSnapshots, Packed
 from swiftrun.runtime import state as st
-from swiftrun.runtime.pp_handover import CheckpointDir, from_bytes
+from swiftrun.runtime.pp_handover import CheckpointDir
 from swiftrun.runtime.pp_log import LogStore
 from swiftrun.runtime.pp_plan import StageStatus
 from swiftrun.runtime.registry import RegistrationError
@@ -100,12 +100,12 @@ class Pipeline:
         self.log_start = 0  # the oldest step whose sends are still logged
         self.exchange = Exchange()  # the background checkpoint exchange (runtime/pp_ckpt.py)
         self.channel: Any = None  # its process group, one per generation
-        self._copies = HostCopies(_host_copy)  # the snapshot's host buffers, reused checkpoint after checkpoint
-        self.held: tuple[int, int, torch.Tensor] | None = None  # (for rank, step, serialised checkpoint)
+        self._snapshots = FlatSnapshots()  # the snapshot's host buffer, reused checkpoint after checkpoint
+        self.held: tuple[int, int, Packed] | None = None  # (for rank, step, checkpoint)
         # the previous checkpoints (held, own), kept until the newer one is complete at every holder: a recovery
         # in between may need them (runtime/pp_plan.py picks the newest step a whole replay set has)
-        self.held_prev: tuple[int, int, torch.Tensor] | None = None
-        self.own_prev: tuple[int, torch.Tensor] | None = None
+        self.held_prev: tuple[int, int, Packed] | None = None
+        self.own_prev: tuple[int, Packed] | None = None
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
         self.parallel: Any = None  # runtime/pp_parallel.Leader while helpers replay with this rank
@@ -116,7 +116,7 @@ class Pipeline:
         self.logged: set[int] | None = None
         self.groups: tuple[tuple[int, ...], ...] | None = None
         self.keep_own = False
-        self.own: tuple[int, torch.Tensor] | None = None
+        self.own: tuple[int, Packed] | None = None
         directory = os.environ.get("SWIFTRUN_STAGE_CKPT_DIR")
         self.disk = CheckpointDir(directory) if directory else None
         self.compute = 0.0  # seconds spent in forward and backward chunks during the current step
@@ -366,13 +366,14 @@ class Pipeline:
             log.debug("stage checkpoint of step %d waited %.3fs for the exchange of step %d", step,
                       time.monotonic() - started, self.exchange.step)
         started = time.monotonic()
-        snap = snapshot({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()},
-                        self._copies.begin())
+        # a rank that keeps its own copy keeps its previous snapshot: two buffers alternate
+        self._snapshots.buffers = 2 if self.keep_own else 1
+        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
         log.debug("stage checkpoint of step %d: snapshot in %.3fs", step, time.monotonic() - started)
-        self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=_copies_done(),
+        self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=ready,
                             install=lambda s, received, sent: self._install(prev, s, received, sent))
 
-    def _install(self, prev: int, step: int, received: torch.Tensor, sent: torch.Tensor) -> None:
+    def _install(self, prev: int, step: int, received: Packed, sent: Packed) -> None:
         """In the exchange thread, once both transfers are whole: hold the previous rank's checkpoint, keep this
         rank's own copy (a logging group rolls back to it), write it to the stage checkpoint directory."""
         # the new copy goes in whole, the previous one stays until the new one is complete everywhere
@@ -422,14 +423,14 @@ class Pipeline:
             return self.tap.pipe[stage_index]
         return self.stages[0]._resolve_peer_global_rank(stage_index)
 
-    def own_copy(self, step: int) -> torch.Tensor | None:
+    def own_copy(self, step: int) -> Packed | None:
         """This rank's own checkpoint of ``step`` (a logging group rolls back to it), if it keeps one."""
         return next((own[1] for own in (self.own, self.own_prev) if own is not None and own[0] == step), None)
 
-    def enter_replay(self, replay: Any, point: int, checkpoint: torch.Tensor, logs: dict, coll: dict) -> None:
+    def enter_replay(self, replay: Any, point: int, checkpoint: Packed, logs: dict, coll: dict) -> None:
         """Install the checkpoint and replay steps ``replay.start .. point``; the set's members talk live, the
         rest is served from ``logs``."""
-        loaded = from_bytes(checkpoint)
+        loaded = checkpoint.unpack()
         if loaded["step"] != replay.start:
             raise RecoveryError(f"the stage checkpoint received is of step {loaded['step']}, not {replay.start}")
         st.install(self.rec.reg, loaded["tree"])
@@ -539,18 +540,6 @@ def _generators(device: torch.device) -> list[torch.Generator]:
 
 
 _copy_streams: dict[int, Any] = {}  # GPU index -> the side stream log copies run on
-
-
-def _copies_done() -> Callable[[], None]:
-    """What waits, in another thread, for the host copies issued so far on the side streams (a snapshot's)."""
-    if not _copy_streams:
-        return lambda: None
-    events = []
-    for side in _copy_streams.values():
-        event = torch.cuda.Event()
-        event.record(side)
-        events.append(event)
-    return lambda: [e.synchronize() for e in events] and None
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from swiftrun.runtime.pp_plan import DISK, PipePlan, Replay
 
 if TYPE_CHECKING:
     from swiftrun.runtime.pipeline import Pipeline
+    from swiftrun.runtime.pp_ckpt import Packed
 
 _TAG_SIZE, _TAG_DATA = 0x5717, 0x5718  # apart from the schedule's own traffic (tag 0)
 
@@ -128,12 +129,12 @@ class CheckpointDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self._writer: threading.Thread | None = None
 
-    def write(self, rank: int, step: int, data: torch.Tensor) -> None:
-        """Write in the background; a write still running is waited for first (one in flight per rank)."""
+    def write(self, rank: int, step: int, data: Packed) -> None:
+        """Write in the background; a write still running is waited for first (one in flight per rank). ``data``
+        must not change until :meth:`flush` returns."""
         if self._writer is not None:
             self._writer.join()
-        payload = data.numpy().tobytes()
-        self._writer = threading.Thread(target=self._write, args=(rank, step, payload), daemon=True,
+        self._writer = threading.Thread(target=self._write, args=(rank, step, data), daemon=True,
                                         name="swiftrun-stage-ckpt")
         self._writer.start()
 
@@ -142,11 +143,11 @@ class CheckpointDir:
         if self._writer is not None:
             self._writer.join()
 
-    def _write(self, rank: int, step: int, payload: bytes) -> None:
+    def _write(self, rank: int, step: int, data: Packed) -> None:
         final = self.path / f"rank{rank}.step{step}.ckpt"
         tmp = final.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
-            f.write(payload)
+            data.write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -165,9 +166,11 @@ class CheckpointDir:
         steps = self.steps(rank)
         return steps[-1] if steps else -1
 
-    def read(self, rank: int, step: int) -> torch.Tensor:
+    def read(self, rank: int, step: int) -> Packed:
+        from swiftrun.runtime.pp_ckpt import Packed  # noqa: F811 - pp_ckpt imports this module
+
         path = self.path / f"rank{rank}.step{step}.ckpt"
         try:
-            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        except OSError as exc:
+            return Packed.parse(bytearray(path.read_bytes()))
+        except (OSError, ValueError) as exc:
             raise RecoveryError(f"the stage checkpoint {path} cannot be read: {exc}") from exc

@@ -1,5 +1,5 @@
-"""The background stage checkpoint exchange's pure parts: snapshots, reused host buffers, the exchange's
-lifecycle (installed only when whole, complete only after every holder installed), per-thread bypass."""
+"""The background stage checkpoint exchange's pure parts: flat snapshots (packed, reused buffers, on disk), the
+exchange's lifecycle (installed only when whole, complete only after every holder installed), per-thread bypass."""
 
 from __future__ import annotations
 
@@ -11,38 +11,51 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.runtime import collectives, pp_ckpt
-from swiftrun.runtime.pp_ckpt import Exchange, ExchangeState, HostCopies, snapshot
-from swiftrun.runtime.pp_handover import from_bytes
+from swiftrun.runtime.pp_ckpt import Exchange, ExchangeState, FlatSnapshots, Packed
 
 
-def clone(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().clone()
-
-
-def test_a_snapshot_is_out_of_reach_of_later_updates_and_keeps_its_containers():
-    live = {"w": torch.ones(3), "groups": [{"lr": 0.1, "params": [0]}], "pair": (torch.zeros(2), 5),
-            "ordered": OrderedDict(a=torch.arange(2))}
-    snap = snapshot(live, clone)
+def test_a_snapshot_is_out_of_reach_of_later_updates_and_unpacks_to_the_same_tree(tmp_path):
+    live = {"w": torch.ones(3), "groups": [{"lr": 0.1, "params": [0]}], "pair": (torch.zeros(2, 2).t(), 5),
+            "ordered": OrderedDict(a=torch.arange(3, dtype=torch.int16)), "flag": torch.tensor(True),
+            "rng": (3, tuple(range(625)), None)}
+    packed, ready = FlatSnapshots().take(live)
+    ready()
     live["w"].add_(1)
     live["groups"][0]["lr"] = 0.5
     live["pair"][0].add_(1)
-    assert torch.equal(snap["w"], torch.ones(3)) and snap["groups"][0]["lr"] == 0.1
-    assert isinstance(snap["pair"], tuple) and torch.equal(snap["pair"][0], torch.zeros(2))
-    assert isinstance(snap["ordered"], OrderedDict)
+    for got in (packed.unpack(), _through_a_file(packed, tmp_path).unpack()):
+        assert torch.equal(got["w"], torch.ones(3)) and got["groups"][0]["lr"] == 0.1
+        assert isinstance(got["pair"], tuple) and torch.equal(got["pair"][0], torch.zeros(2, 2))
+        assert isinstance(got["ordered"], OrderedDict) and got["ordered"]["a"].dtype == torch.int16
+        assert got["flag"].item() is True and got["rng"] == (3, tuple(range(625)), None)
+        assert got["w"].data_ptr() != packed.flat.data_ptr()  # copies, never views of the kept buffer
 
 
-def test_host_copies_reuse_their_buffers_while_the_layout_holds():
-    copies = HostCopies(clone)
+def _through_a_file(packed: Packed, tmp_path) -> Packed:
+    path = tmp_path / "ckpt"
+    with open(path, "wb") as f:
+        packed.write(f)
+    return Packed.parse(bytearray(path.read_bytes()))
+
+
+def test_a_truncated_checkpoint_file_is_refused():
+    with pytest.raises(ValueError, match="skeleton"):
+        Packed.parse(bytearray((1000).to_bytes(8, "little") + b"xx"))
+
+
+def test_snapshots_reuse_their_flat_buffer_and_alternate_two_when_asked():
     state = {"a": torch.randn(4), "b": torch.randn(2, 2)}
-    first = snapshot(state, copies.begin())
-    pointers = [first["a"].data_ptr(), first["b"].data_ptr()]
+    one = FlatSnapshots()
+    first = one.take(state)[0].flat.data_ptr()
     state["a"].add_(1)
-    second = snapshot(state, copies.begin())
-    assert [second["a"].data_ptr(), second["b"].data_ptr()] == pointers  # no new allocation
-    assert torch.equal(second["a"], state["a"]) and second["a"].data_ptr() != state["a"].data_ptr()
-    state["b"] = torch.randn(3)  # the layout changed: a fresh buffer for that slot
-    third = snapshot(state, copies.begin())
-    assert third["b"].shape == (3,) and torch.equal(third["b"], state["b"])
+    second, _ = one.take(state)
+    assert second.flat.data_ptr() == first  # no new allocation while the layout holds
+    assert torch.equal(second.unpack()["a"], state["a"])
+    two = FlatSnapshots(buffers=2)
+    pointers = [two.take(state)[0].flat.data_ptr() for _ in range(4)]
+    assert pointers[0] == pointers[2] and pointers[1] == pointers[3] and pointers[0] != pointers[1]
+    state["b"] = torch.randn(5)  # the layout changed: a buffer of the new size
+    assert torch.equal(one.take(state)[0].unpack()["b"], state["b"])
 
 
 @pytest.fixture
@@ -59,8 +72,9 @@ def test_an_exchange_installs_the_received_checkpoint_whole_then_completes(singl
     seen: list[tuple] = []
     monkeypatch.setattr(pp_ckpt, "swap", lambda data, to, frm, device, group: data.clone())  # a ring of one
     ex = Exchange()
-    ex.start(4, {"step": 4, "w": torch.arange(3)}, single_rank_gloo, 0, 0, torch.device("cpu"), ready=lambda: None,
-             install=lambda step, received, sent: seen.append((step, from_bytes(received), ex.complete_step)))
+    snap, ready = FlatSnapshots().take({"step": 4, "w": torch.arange(3)})
+    ex.start(4, snap, single_rank_gloo, 0, 0, torch.device("cpu"), ready=ready,
+             install=lambda step, received, sent: seen.append((step, received.unpack(), ex.complete_step)))
     assert ex.wait(30)
     assert ex.state is ExchangeState.COMPLETE and ex.complete_step == 4, ex.error
     (step, got, complete_when_installed), = seen
@@ -77,7 +91,8 @@ def test_a_failed_exchange_installs_nothing_and_keeps_the_previous_completion(si
     ex = Exchange()
     ex.complete_step = 0
     installed: list[int] = []
-    ex.start(4, {"w": torch.ones(1)}, single_rank_gloo, 0, 0, torch.device("cpu"), ready=lambda: None,
+    snap, ready = FlatSnapshots().take({"w": torch.ones(1)})
+    ex.start(4, snap, single_rank_gloo, 0, 0, torch.device("cpu"), ready=ready,
              install=lambda step, *_: installed.append(step))
     assert ex.wait(30)
     assert ex.state is ExchangeState.FAILED and "reset" in str(ex.error)
