@@ -72,6 +72,8 @@ class Packed:
         """The checkpoint's tree, its tensors copies (never views of a buffer someone keeps)."""
         skeleton = pickle.loads(self.skeleton.numpy().tobytes())
         flat = self.flat.cpu()
+        if flat.storage_offset() % _ALIGN:  # read from a file, behind the skeleton: no dtype could view it
+            flat = flat.clone()
         return _fill(skeleton, lambda slot: _view(flat, slot).clone())
 
     def write(self, f: io.BufferedIOBase) -> None:

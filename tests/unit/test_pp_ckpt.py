@@ -31,6 +31,13 @@ def test_a_snapshot_is_out_of_reach_of_later_updates_and_unpacks_to_the_same_tre
         assert got["w"].data_ptr() != packed.flat.data_ptr()  # copies, never views of the kept buffer
 
 
+@pytest.mark.parametrize("name", ["a", "ab", "abc", "abcd"])  # skeletons of different lengths: any alignment
+def test_a_checkpoint_read_from_a_file_unpacks_whatever_its_skeleton_length(tmp_path, name):
+    packed, _ = FlatSnapshots().take({name: torch.arange(5, dtype=torch.float64), "x": torch.ones(3)})
+    got = _through_a_file(packed, tmp_path).unpack()
+    assert torch.equal(got[name], torch.arange(5, dtype=torch.float64)) and torch.equal(got["x"], torch.ones(3))
+
+
 def _through_a_file(packed: Packed, tmp_path) -> Packed:
     path = tmp_path / "ckpt"
     with open(path, "wb") as f:
