@@ -365,10 +365,12 @@ class Pipeline:
             self.exchange.wait()
             log.debug("stage checkpoint of step %d waited %.3fs for the exchange of step %d", step,
                       time.monotonic() - started, self.exchange.step)
+            self._retire(self.exchange.complete_step)
         started = time.monotonic()
-        # a rank that keeps its own copy keeps its previous snapshot: two buffers alternate
-        self._snapshots.buffers = 2 if self.keep_own else 1
-        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
+        # this rank's own copies are earlier snapshots: their buffers must not be written
+        keep = tuple(own[1].flat for own in (self.own, self.own_prev) if own is not None)
+        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()},
+                                           keep)
         log.debug("stage checkpoint of step %d: snapshot in %.3fs", step, time.monotonic() - started)
         self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=ready,
                             install=lambda s, received, sent: self._install(prev, s, received, sent))

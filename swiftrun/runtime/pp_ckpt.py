@@ -148,28 +148,22 @@ def _lift(tree: Any, found: list[torch.Tensor], at: list[int]) -> Any:
 class FlatSnapshots:
     """Snapshots of a stage's state into flat host buffers that are reused checkpoint after checkpoint: a
     checkpoint step pays one memory copy of the state, not the page faults of fresh allocations (they doubled
-    its cost, measured) nor a serialisation. With ``buffers=2`` (a rank that keeps its own copy: its previous
-    snapshot is that copy) two buffers alternate. A buffer is written again only after the exchange that read it
-    has finished (one exchange at a time). On a GPU the buffer is pinned and filled by a copy on a side stream
-    that waits for the compute stream; ``take`` returns what waits for those copies."""
+    its cost, measured) nor a serialisation. A buffer still in use (``keep``: a rank's own checkpoint copies,
+    which are its earlier snapshots) is never written; others are reused once the exchange that read them has
+    finished (one exchange at a time). On a GPU the buffer is pinned and filled by a copy on a side stream that
+    waits for the compute stream; ``take`` returns what waits for those copies."""
 
-    def __init__(self, buffers: int = 1) -> None:
-        self.buffers = buffers
-        self._pool: list[torch.Tensor | None] = [None, None]
-        self._turn = 0
+    def __init__(self) -> None:
+        self._pool: list[torch.Tensor] = []
         self._streams: dict[int, Any] = {}
 
-    def take(self, tree: Any) -> tuple[Packed, Callable[[], None]]:
+    def take(self, tree: Any, keep: tuple[torch.Tensor, ...] = ()) -> tuple[Packed, Callable[[], None]]:
         found: list[torch.Tensor] = []
         at = [0]
         skeleton = _lift(tree, found, at)
         header = torch.frombuffer(bytearray(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)),
                                   dtype=torch.uint8)
-        pinned = any(t.is_cuda for t in found)
-        self._turn = (self._turn + 1) % max(1, min(self.buffers, 2))
-        flat = self._pool[self._turn]
-        if flat is None or flat.numel() != at[0] or flat.is_pinned() != pinned:
-            flat = self._pool[self._turn] = torch.empty(at[0], dtype=torch.uint8, pin_memory=pinned)
+        flat = self._buffer(at[0], any(t.is_cuda for t in found), keep)
         events = []
         slots: list[_Slot] = []
         _fill(skeleton, lambda slot: slots.append(slot))
@@ -181,6 +175,16 @@ class FlatSnapshots:
                 else:
                     dst.copy_(t)
         return Packed(header, flat), (lambda: [e.synchronize() for e in events] and None)
+
+    def _buffer(self, nbytes: int, pinned: bool, keep: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        kept = {id(t) for t in keep}
+        free = [b for b in self._pool if id(b) not in kept]
+        flat = next((b for b in free if b.numel() == nbytes and b.is_pinned() == pinned), None)
+        if flat is None:
+            flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        # the pool keeps what is kept elsewhere (it comes back later) and the buffer just used, nothing else
+        self._pool = [b for b in self._pool if id(b) in kept] + [flat]
+        return flat
 
     def _gpu_copy(self, dst: torch.Tensor, t: torch.Tensor) -> Any:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()

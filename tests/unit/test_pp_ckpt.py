@@ -50,19 +50,22 @@ def test_a_truncated_checkpoint_file_is_refused():
         Packed.parse(bytearray((1000).to_bytes(8, "little") + b"xx"))
 
 
-def test_snapshots_reuse_their_flat_buffer_and_alternate_two_when_asked():
+def test_snapshots_reuse_their_flat_buffer_unless_it_is_kept():
     state = {"a": torch.randn(4), "b": torch.randn(2, 2)}
-    one = FlatSnapshots()
-    first = one.take(state)[0].flat.data_ptr()
+    snaps = FlatSnapshots()
+    first, _ = snaps.take(state)
     state["a"].add_(1)
-    second, _ = one.take(state)
-    assert second.flat.data_ptr() == first  # no new allocation while the layout holds
+    second, _ = snaps.take(state)
+    assert second.flat.data_ptr() == first.flat.data_ptr()  # no new allocation while the layout holds
     assert torch.equal(second.unpack()["a"], state["a"])
-    two = FlatSnapshots(buffers=2)
-    pointers = [two.take(state)[0].flat.data_ptr() for _ in range(4)]
-    assert pointers[0] == pointers[2] and pointers[1] == pointers[3] and pointers[0] != pointers[1]
+    kept = second.unpack()
+    third, _ = snaps.take(state, keep=(second.flat,))  # a rank's own copy: never written over
+    state["a"].add_(1)
+    fourth, _ = snaps.take(state, keep=(third.flat,))
+    assert third.flat.data_ptr() != second.flat.data_ptr() and fourth.flat.data_ptr() == second.flat.data_ptr()
+    assert torch.equal(third.unpack()["a"], kept["a"]) and torch.equal(fourth.unpack()["a"], state["a"])
     state["b"] = torch.randn(5)  # the layout changed: a buffer of the new size
-    assert torch.equal(one.take(state)[0].unpack()["b"], state["b"])
+    assert torch.equal(snaps.take(state)[0].unpack()["b"], state["b"])
 
 
 @pytest.fixture
