@@ -235,10 +235,19 @@ def run_single(args: argparse.Namespace) -> None:
     print_timing(args.steps, step_ms)
 
 
-def print_timing(steps: int, step_ms: dict[int, float]) -> None:
+def print_timing(steps: int, step_ms: dict[int, float], ckpt_every: int = 0) -> None:
+    """Rank 0's timing line: the mean step time without the first step; with a checkpoint interval, also the
+    mean time of the steps a stage checkpoint starts (ckpt_ms) and of the others (plain_ms): their difference is
+    what a checkpoint stalls training."""
     timings = [step_ms[step] for step in sorted(step_ms)]
     steady = timings[1:] or timings or [0.0]  # the first step pays for allocation and the pipeline's warm-up
-    print(f"train_pp: steps={steps} step_ms={sum(steady) / len(steady):.3f}", flush=True)
+    line = f"train_pp: steps={steps} step_ms={sum(steady) / len(steady):.3f}"
+    later = {s: ms for s, ms in step_ms.items() if s > 0}
+    ckpt = [ms for s, ms in later.items() if ckpt_every > 0 and s % ckpt_every == 0]
+    plain = [ms for s, ms in later.items() if not (ckpt_every > 0 and s % ckpt_every == 0)]
+    if ckpt and plain:
+        line += f" ckpt_ms={sum(ckpt) / len(ckpt):.3f} plain_ms={sum(plain) / len(plain):.3f}"
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -312,8 +321,8 @@ def main() -> None:
                        optimizer=optimizers if interleaved else optimizers[0], pipeline=schedule,
                        checkpoint_every=args.ckpt_every)  # swiftrun: the stage checkpoint interval
     step_ms: dict[int, float] = {}
+    started = time.perf_counter()  # a step's time includes the runtime's work at its start (checkpoints)
     for step in run.steps(args.steps, start=start_step):  # swiftrun: yields the step to (re)do
-        started = time.perf_counter()
         with run.guard():  # swiftrun: a failure in here is recovered and the step retried
             clock.begin(step)
             for optimizer in optimizers:
@@ -329,7 +338,8 @@ def main() -> None:
                 save_checkpoint(args.ckpt_dir, position, replica, {
                     "step": step + 1, "stage": stage_ids,
                     "model": [m.state_dict() for m in modules], "optimizer": [o.state_dict() for o in optimizers]})
-        step_ms[step] = (time.perf_counter() - started) * 1000.0
+        now = time.perf_counter()
+        step_ms[step], started = (now - started) * 1000.0, now
 
     os.makedirs(args.save_dir, exist_ok=True)
     model_state: dict[str, torch.Tensor] = {}
@@ -339,7 +349,7 @@ def main() -> None:
              "optimizer": [o.state_dict() for o in optimizers] if interleaved else optimizers[0].state_dict()}
     torch.save(final, os.path.join(args.save_dir, f"rank{rank}.pt"))
     if rank == 0:
-        print_timing(args.steps, step_ms)
+        print_timing(args.steps, step_ms, args.ckpt_every)
     dist.destroy_process_group()
 
 

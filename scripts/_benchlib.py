@@ -158,6 +158,64 @@ def run(cmd: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = 
     return Launched(cmd, cwd, env).wait(timeout)
 
 
+def repo_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH (the scripts import swiftrun from the checkout)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
+    env.update(extra)
+    return env
+
+
+def timer_kill(run: Launched, anchor: Path, *, fail_rank: int, delay_s: float, timeout: float,
+               info: dict | None = None) -> dict:
+    """The external kill both launchers get: wait for ``anchor`` (the first checkpoint file) to appear, then after
+    ``delay_s`` SIGKILL the worker whose environment has RANK=fail_rank (a spare is never picked). Returns what
+    happened (anchor_s, killed_pid, killed_at_s, or error)."""
+    info = dict(info or {})
+    deadline = run.t0 + timeout
+    while not anchor.exists():
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            info["error"] = "no checkpoint appeared before the job ended"
+            return info
+        time.sleep(0.005)
+    info["anchor_s"] = time.monotonic() - run.t0
+    time.sleep(max(0.0, delay_s))
+    pid = None
+    for _ in range(200):
+        pid = find_rank_pid(run.pid, fail_rank)
+        if pid:
+            break
+        time.sleep(0.01)
+    if pid is None:
+        info["error"] = f"no RANK={fail_rank} worker found"
+        return info
+    os.kill(pid, signal.SIGKILL)
+    info.update(killed_pid=pid, killed_at_s=time.monotonic() - run.t0)
+    return info
+
+
+def step_time_runs(names: Sequence[str], reps: int, run_one: Callable[[str, int], Result],
+                   label: Callable[[str], str] = str) -> dict[str, list[Result]]:
+    """Failure-free runs of each variant, interleaved (the order alternates per repetition, so a load that drifts
+    hits every variant alike), one progress line per run."""
+    results: dict[str, list[Result]] = {n: [] for n in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else list(names)[::-1]):
+            res = run_one(name, rep)
+            results[name].append(res)
+            print(f"  rep {rep + 1} {label(name):20s} step_ms={fmt(res.step_ms, 2)} wall={res.wall:.2f}s "
+                  f"rc={res.rc} other_cpu={fmt(res.other_cores, 2)}cores", flush=True)
+            if not res.ok:
+                print(tail(res.output, 12))
+    return results
+
+
+def step_time_json(results: dict[Any, list[Result]]) -> list[dict[str, Any]]:
+    return [{"variant": name, "runs": [{"step_ms": r.step_ms, "wall": r.wall, "rc": r.rc,
+                                         "other_cores": r.other_cores} for r in rs]}
+            for name, rs in results.items()]
+
+
 class Scratch:
     """A temporary directory for one benchmark (removed at exit unless keep)."""
 
@@ -303,6 +361,48 @@ def read_events_text(text: str) -> list[dict[str, Any]]:
     from swiftrun.events import parse_events
 
     return list(parse_events(text.splitlines()))
+
+
+def recovery_summary(event_log: Path) -> dict[str, Any]:
+    """What swiftrun's event log says about a run's recoveries."""
+    events = read_events(event_log)
+    ends = [e for e in events if e["event"] == "recovery_end"]
+    job_end = next((e for e in events if e["event"] == "job_end"), {})
+    return {
+        "recoveries_started": sum(1 for e in events if e["event"] == "recovery_start"),
+        "recoveries": len(ends),
+        "outcomes": [e.get("outcome") for e in ends],
+        "modes": [e.get("mode") for e in ends],
+        "recovery_total_s": sum(float(e.get("total") or 0) for e in ends) if ends else None,
+        "restarts": sum(1 for e in events if e["event"] == "restart"),
+        "job_outcome": job_end.get("outcome"),
+        "time_lost_s": job_end.get("time_lost"),
+    }
+
+
+# ------------------------------------------------------------------ results
+
+
+def same_rank_files(a: Path, b: Path) -> bool | None:
+    """Whether two runs' ``rank*.pt`` files hold bitwise-equal contents (None: torch is not importable)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    def equal(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return isinstance(y, (list, tuple)) and len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
+        return x == y
+
+    files = sorted(p.name for p in a.glob("rank*.pt"))
+    if not files or files != sorted(p.name for p in b.glob("rank*.pt")):
+        return False
+    return all(equal(torch.load(a / f, weights_only=True), torch.load(b / f, weights_only=True)) for f in files)
 
 
 # ------------------------------------------------------------------ statistics and tables

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,41 +83,16 @@ def checkpoint_step(path: Path) -> int | None:
 
 def timer_kill(run: B.Launched, ckpt: Path, args: argparse.Namespace, step_ms: float) -> dict:
     """Wait for the first checkpoint, then SIGKILL the fail rank after (fail_step - ckpt_every) more steps."""
-    info: dict = {"kill": "timer", "step_ms_used": step_ms}
-    deadline = run.t0 + args.timeout
-    while not ckpt.exists():
-        if run.proc.poll() is not None or time.monotonic() > deadline:
-            info["error"] = "no checkpoint appeared before the job ended"
-            return info
-        time.sleep(0.005)
-    anchor = time.monotonic()
-    info["anchor_s"] = anchor - run.t0
-    time.sleep(max(0.0, (args.fail_step - args.ckpt_every) * step_ms / 1000.0))
-    pid = None
-    for _ in range(200):
-        pid = B.find_rank_pid(run.pid, args.fail_rank)
-        if pid:
-            break
-        time.sleep(0.01)
-    if pid is None:
-        info["error"] = f"no RANK={args.fail_rank} worker found"
-        return info
-    os.kill(pid, signal.SIGKILL)
-    info.update(killed_pid=pid, killed_at_s=time.monotonic() - run.t0)
-    return info
+    return B.timer_kill(run, ckpt, fail_rank=args.fail_rank, timeout=args.timeout,
+                        delay_s=(args.fail_step - args.ckpt_every) * step_ms / 1000.0,
+                        info={"kill": "timer", "step_ms_used": step_ms})
 
 
 def swift_recovery(event_log: Path) -> dict:
-    events = B.read_events(event_log)
-    ends = [e for e in events if e["event"] == "recovery_end"]
-    job_end = next((e for e in events if e["event"] == "job_end"), {})
-    return {
-        "recoveries": len(ends),
-        "outcomes": [e.get("outcome") for e in ends],
-        "recovery_total_s": sum(float(e.get("total") or 0) for e in ends) if ends else None,
-        "mode": ends[0].get("mode") if ends else None,
-        "time_lost_s": job_end.get("time_lost"),
-    }
+    summary = B.recovery_summary(event_log)
+    return {"recoveries": summary["recoveries"], "outcomes": summary["outcomes"],
+            "recovery_total_s": summary["recovery_total_s"],
+            "mode": summary["modes"][0] if summary["modes"] else None, "time_lost_s": summary["time_lost_s"]}
 
 
 def one_run(launcher: str, failed: bool, args: argparse.Namespace, scratch: B.Scratch, clean_ms: dict,

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,36 +72,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def env_for(launcher: str, args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(B.REPO), env.get("PYTHONPATH", "")) if x)
     if launcher == "torchrun" and not args.shared_rdzv_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
-
-
-def timer_kill(run: B.Launched, anchor_file: Path, args: argparse.Namespace, step_ms: float) -> dict:
-    """Wait for the first checkpoint, then SIGKILL the fail rank after (fail_step - ckpt_every) more steps."""
-    info: dict = {"step_ms_used": step_ms}
-    deadline = run.t0 + args.timeout
-    while not anchor_file.exists():
-        if run.proc.poll() is not None or time.monotonic() > deadline:
-            info["error"] = "no checkpoint appeared before the job ended"
-            return info
-        time.sleep(0.005)
-    info["anchor_s"] = time.monotonic() - run.t0
-    time.sleep(max(0.0, (args.fail_step - args.ckpt_every) * step_ms / 1000.0))
-    pid = None
-    for _ in range(200):
-        pid = B.find_rank_pid(run.pid, args.fail_rank)
-        if pid:
-            break
-        time.sleep(0.01)
-    if pid is None:
-        info["error"] = f"no RANK={args.fail_rank} worker found"
-        return info
-    os.kill(pid, signal.SIGKILL)
-    info.update(killed_pid=pid, killed_at_s=time.monotonic() - run.t0)
-    return info
+        return B.repo_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    return B.repo_env()
 
 
 def resumed_from(output: str) -> int | None:
@@ -112,17 +83,10 @@ def resumed_from(output: str) -> int | None:
 
 
 def swiftrun_outcome(event_log: Path) -> dict:
-    events = B.read_events(event_log)
-    ends = [e for e in events if e["event"] == "recovery_end"]
-    job_end = next((e for e in events if e["event"] == "job_end"), {})
-    return {
-        "recoveries_started": sum(1 for e in events if e["event"] == "recovery_start"),
-        "recoveries": [f"{e.get('outcome')}/{e.get('mode')}" for e in ends],
-        "recovery_total_s": sum(float(e.get("total") or 0) for e in ends) if ends else None,
-        "restarts": sum(1 for e in events if e["event"] == "restart"),
-        "job_outcome": job_end.get("outcome"),
-        "time_lost_s": job_end.get("time_lost"),
-    }
+    summary = B.recovery_summary(event_log)
+    # one "outcome/mode" per recovery, for the table
+    summary["recoveries"] = [f"{o}/{m}" for o, m in zip(summary.pop("outcomes"), summary.pop("modes"))]
+    return summary
 
 
 def what_happened(launcher: str, res: B.Result) -> str:
@@ -146,27 +110,6 @@ def what_happened(launcher: str, res: B.Result) -> str:
     return f"global restart from step {resumed}" if resumed is not None else "finished without restarting?"
 
 
-def same_rank_files(a: Path, b: Path) -> bool | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-
-    def equal(x, y) -> bool:
-        if isinstance(x, torch.Tensor):
-            return isinstance(y, torch.Tensor) and torch.equal(x, y)
-        if isinstance(x, dict):
-            return x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
-        if isinstance(x, (list, tuple)):
-            return len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
-        return x == y
-
-    files = sorted(p.name for p in a.glob("rank*.pt"))
-    if not files or files != sorted(p.name for p in b.glob("rank*.pt")):
-        return False
-    return all(equal(torch.load(a / f, weights_only=True), torch.load(b / f, weights_only=True)) for f in files)
-
-
 def one_run(launcher: str, schedule: str, failed: bool, args: argparse.Namespace, scratch: B.Scratch,
             clean: B.Result | None) -> B.Result:
     work = scratch.new(f"{schedule}-{launcher}-{'failed' if failed else 'clean'}")
@@ -182,7 +125,10 @@ def one_run(launcher: str, schedule: str, failed: bool, args: argparse.Namespace
     run = B.Launched(cmd, work, env=env_for(launcher, args))
     info, limit = {}, args.timeout
     if failed:
-        info = timer_kill(run, ckpt / "stage0-replica0.pt", args, (clean.step_ms if clean else None) or 30.0)
+        step_ms = (clean.step_ms if clean else None) or 30.0
+        info = B.timer_kill(run, ckpt / "stage0-replica0.pt", fail_rank=args.fail_rank,
+                            delay_s=(args.fail_step - args.ckpt_every) * step_ms / 1000.0, timeout=args.timeout,
+                            info={"step_ms_used": step_ms})
         limit = min(limit, args.failed_timeout or (2 * clean.wall + 60 if clean else limit))
     res = run.wait(limit)
     res.extra.update(info, save_dir=str(save), resumed_from=resumed_from(res.output))
@@ -209,7 +155,7 @@ def main() -> None:
                 for launcher in order:
                     clean = one_run(launcher, schedule, False, args, scratch, None)
                     failed = one_run(launcher, schedule, True, args, scratch, clean)
-                    failed.extra["exact"] = (same_rank_files(Path(clean.extra["save_dir"]),
+                    failed.extra["exact"] = (B.same_rank_files(Path(clean.extra["save_dir"]),
                                                              Path(failed.extra["save_dir"]))
                                              if clean.rc == 0 and failed.rc == 0 else None)
                     failed.extra["outcome"] = what_happened(launcher, failed)

@@ -47,28 +47,23 @@ def main() -> None:
     print(f"# bench_pp_overhead: {B.machine_line()}")
     print(f"# train_pp.py, {args.nproc} ranks, {args.steps} steps, schedules {schedules}, {args.reps} "
           f"repetition(s), script args '{args.script_args}', swiftrun args '{args.swiftrun_args}'")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(B.REPO), env.get("PYTHONPATH", "")) if x)
+    env = B.repo_env()
     scratch = B.Scratch("ppoverhead", keep=args.keep)
-    results: dict[tuple[str, str], list[B.Result]] = {(s, l): [] for s in schedules for l in launchers}
+    variants = [(s, l) for s in schedules for l in launchers]
+
+    def run_one(variant: tuple[str, str], rep: int) -> B.Result:
+        schedule, launcher = variant
+        work = scratch.new(f"{schedule}-{launcher}")
+        script = ["--steps", str(args.steps), "--schedule", schedule, "--save-dir", str(work / "out"),
+                  *args.script_args.split()]
+        if launcher == "torchrun":
+            cmd = B.torchrun_cmd(args.nproc, script, max_restarts=0, script=B.TRAIN_PP)
+        else:
+            cmd = B.swiftrun_cmd(args.nproc, script, extra=args.swiftrun_args.split(), script=B.TRAIN_PP)
+        return B.run(cmd, work, args.timeout, env=env)
+
     try:
-        for rep in range(args.reps):
-            order = launchers if rep % 2 == 0 else launchers[::-1]
-            for schedule in schedules:
-                for launcher in order:
-                    work = scratch.new(f"{schedule}-{launcher}")
-                    script = ["--steps", str(args.steps), "--schedule", schedule, "--save-dir", str(work / "out"),
-                              *args.script_args.split()]
-                    if launcher == "torchrun":
-                        cmd = B.torchrun_cmd(args.nproc, script, max_restarts=0, script=B.TRAIN_PP)
-                    else:
-                        cmd = B.swiftrun_cmd(args.nproc, script, extra=args.swiftrun_args.split(), script=B.TRAIN_PP)
-                    res = B.run(cmd, work, args.timeout, env=env)
-                    results[(schedule, launcher)].append(res)
-                    print(f"  rep {rep + 1} {schedule:6s} {launcher:8s} step_ms={B.fmt(res.step_ms, 2)} "
-                          f"wall={res.wall:.2f}s rc={res.rc} other_cpu={B.fmt(res.other_cores, 2)}cores", flush=True)
-                    if not res.ok:
-                        print(B.tail(res.output, 12))
+        results = B.step_time_runs(variants, args.reps, run_one, label=" ".join)
     finally:
         scratch.close()
 
@@ -88,10 +83,7 @@ def main() -> None:
     others = [r.other_cores for rs in results.values() for r in rs]
     print(f"CPU used by other processes during the runs (cores, of {os.cpu_count()}): {B.fmt_stat(others, 2)}")
     B.write_json(args.json, {"args": vars(args), "machine": B.machine_line(),
-                             "results": [{"schedule": s, "launcher": l,
-                                          "runs": [{"step_ms": r.step_ms, "wall": r.wall, "rc": r.rc,
-                                                    "other_cores": r.other_cores} for r in rs]}
-                                         for (s, l), rs in results.items()]})
+                             "results": B.step_time_json({" ".join(k): v for k, v in results.items()})})
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def launch(save: Path, args: argparse.Namespace, steps: int, *extra: str) -> flo
            str(SCRIPT), "--steps", str(steps), "--save-dir", str(save), "--hidden", str(args.hidden),
            "--batch", str(args.batch), "--microbatches", str(args.microbatches), "--schedule", args.schedule,
            "--ckpt-every", str(args.ckpt_every)]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = B.repo_env()
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank, the replacement included, one intra-op thread
     started, busy, ours = time.monotonic(), B.cpu_busy_seconds(), B.children_cpu_seconds() + B.self_cpu_seconds()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -68,17 +68,6 @@ def replay_seconds(save: Path) -> tuple[float, list[int]]:
     (phase,) = [e for e in events if e["event"] == "recovery_phase" and e["phase"] == "replay"]
     (replay,) = [e for e in events if e["event"] == "replay"]
     return float(phase["duration"]), list(replay.get("helpers", []))
-
-
-def same(a: Path, b: Path) -> bool:
-    import torch
-
-    for rank in range(4):
-        x = torch.load(a / f"rank{rank}.pt", weights_only=True)
-        y = torch.load(b / f"rank{rank}.pt", weights_only=True)
-        if any(not torch.equal(x["model"][k], v) for k, v in y["model"].items()):
-            return False
-    return True
 
 
 def main() -> None:
@@ -106,7 +95,7 @@ def main() -> None:
                 other = launch(save, args, steps, "--parallel-replay", str(cap), "--fault",
                                f"{args.fail_rank}:{fail_step}:forward:sigkill")
                 seconds, helpers = replay_seconds(save)
-                exact = same(save, ref)
+                exact = B.same_rank_files(save, ref)
                 results[cap].append(seconds)
                 print(f"  rep {rep} cap {cap}: helpers {helpers}, replay {seconds:.3f} s, bitwise {exact}, "
                       f"other processes' CPU {other:.2f} cores", flush=True)

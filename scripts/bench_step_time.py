@@ -64,25 +64,19 @@ def main() -> None:
     print(f"# {args.nproc} ranks, {args.steps} steps, optimizer {args.optimizer}, {args.reps} repetition(s), "
           f"variants {names}")
     scratch = B.Scratch("steptime", keep=args.keep)
-    results: dict[str, list[B.Result]] = {n: [] for n in names}
+
+    def run_one(name: str, rep: int) -> B.Result:
+        work = scratch.new(name.replace(" ", "_"))
+        script = B.train_args(args.steps, work / "out", optimizer=args.optimizer, extra=args.script_args.split())
+        if variants[name] is None:
+            cmd = B.torchrun_cmd(args.nproc, script, max_restarts=0)
+        else:
+            cmd = B.swiftrun_cmd(args.nproc, script, extra=variants[name])
+        env = {**os.environ, "SWIFTRUN_NO_ZYGOTE": "1"} if name == COLD else None
+        return B.run(cmd, work, args.timeout, env=env)
+
     try:
-        for rep in range(args.reps):
-            order = names if rep % 2 == 0 else names[::-1]
-            for name in order:
-                work = scratch.new(name.replace(" ", "_"))
-                script = B.train_args(args.steps, work / "out", optimizer=args.optimizer,
-                                      extra=args.script_args.split())
-                if variants[name] is None:
-                    cmd = B.torchrun_cmd(args.nproc, script, max_restarts=0)
-                else:
-                    cmd = B.swiftrun_cmd(args.nproc, script, extra=variants[name])
-                env = {**os.environ, "SWIFTRUN_NO_ZYGOTE": "1"} if name == COLD else None
-                res = B.run(cmd, work, args.timeout, env=env)
-                results[name].append(res)
-                print(f"  rep {rep + 1} {name:20s} step_ms={B.fmt(res.step_ms, 2)} wall={res.wall:.2f}s "
-                      f"rc={res.rc} other_cpu={B.fmt(res.other_cores, 2)}cores", flush=True)
-                if not res.ok:
-                    print(B.tail(res.output, 12))
+        results = B.step_time_runs(names, args.reps, run_one)
     finally:
         scratch.close()
 
@@ -104,10 +98,7 @@ def main() -> None:
             f"{n} {B.fmt_stat(v, 2)} ms (n={len(v)}, {(B.med(v) / qbase - 1) * 100:+.1f}%)" for n, v in quiet.items()))
     others = [r.other_cores for rs in results.values() for r in rs]
     print(f"CPU used by other processes during the runs (cores, of {os.cpu_count()}): {B.fmt_stat(others, 2)}")
-    B.write_json(args.json, {"args": vars(args), "machine": B.machine_line(),
-                             "results": {n: [{"step_ms": r.step_ms, "wall": r.wall, "rc": r.rc,
-                                              "other_cores": r.other_cores} for r in rs]
-                                         for n, rs in results.items()}})
+    B.write_json(args.json, {"args": vars(args), "machine": B.machine_line(), "results": B.step_time_json(results)})
 
 
 if __name__ == "__main__":

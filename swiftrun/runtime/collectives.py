@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -44,7 +45,9 @@ COLLECTIVES = (
 )
 
 _recovery: Recovery | None = None
-_depth = 0  # > 0 while swiftrun's own or an outer wrapped collective runs
+# per thread: > 0 while swiftrun's own or an outer wrapped collective runs in it (per thread, because the
+# pipeline's background checkpoint exchange runs swiftrun's traffic while the script's step runs on)
+_local = threading.local()
 _said: set[tuple[str, str]] = set()
 _owned: tuple[int, set[int]] = (-2, set())  # (step, storages of registered state) for _touches_state
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,13 +69,17 @@ def install(recovery: Recovery) -> None:
 
 @contextlib.contextmanager
 def internal() -> Iterator[None]:
-    """swiftrun's own collectives (recovery, verification): never intercepted."""
-    global _depth
-    _depth += 1
+    """swiftrun's own collectives (recovery, verification): never intercepted (in the calling thread)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
-        _depth -= 1
+        _local.depth -= 1
+
+
+def bypassed() -> bool:
+    """Whether this thread runs swiftrun's own traffic (or a call nested in a wrapped one) right now."""
+    return getattr(_local, "depth", 0) > 0
 
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -81,7 +88,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         rec = _recovery
         if subgroups.count():  # a group the script holds may be one a recovery replaced
             args, kwargs = _current_groups(args, kwargs)
-        if rec is None or _depth:
+        if rec is None or bypassed():
             return fn(*args, **kwargs)
         with internal():
             return _call(rec, name, fn, args, kwargs)

@@ -239,7 +239,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         tap = _tap
-        if tap is None or collectives._depth:  # noqa: SLF001 - swiftrun's own traffic, or a nested call
+        if tap is None or collectives.bypassed():  # swiftrun's own traffic, or a nested call
             return fn(tensor, *args, **kwargs)
         kwargs = _keywords(args, kwargs, peer_name)
         if subgroups.count() and kwargs.get("group") is not None:

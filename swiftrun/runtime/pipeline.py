@@ -21,10 +21,11 @@ global RNG streams are left untouched. The per-iteration results of the script's
 alone, so they are served to it from a neighbour's log.
 
 Stage checkpoints: at every ``checkpoint_every``-th step start (and at the first step after a recovery), each rank
-serialises its registered state and RNG and sends it to the next rank of its pipeline, which keeps it in memory
-(the last stage's goes to the first). A lost stage is rebuilt from that copy with no disk read. Logs older than
-the previous checkpoint are dropped one step after the new checkpoint was exchanged (by then every neighbour has
-finished the exchange, so no replay can need them).
+takes a host copy of its registered state and RNG and sends it, in the background over a channel of its own, to
+the next rank of its pipeline, which installs it in memory once it has arrived whole (the last stage's goes to
+the first; runtime/pp_ckpt.py). A lost stage is rebuilt from that copy with no disk read. Logs older than the
+new checkpoint are dropped only once every holder has installed it; until then a failure replays from the
+previous checkpoint, whose logs are still there.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime import pp_logplan, subgroups
+from swiftrun.runtime import collectives, pp_logplan, subgroups
+from swiftrun.runtime.pp_ckpt import Exchange, FlatSnapshots, Packed
 from swiftrun.runtime import state as st
-from swiftrun.runtime.pp_handover import CheckpointDir, from_bytes, swap, to_bytes
+from swiftrun.runtime.pp_handover import CheckpointDir
 from swiftrun.runtime.pp_log import LogStore
 from swiftrun.runtime.pp_plan import StageStatus
 from swiftrun.runtime.registry import RegistrationError
@@ -96,8 +98,14 @@ class Pipeline:
         self.coll: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._coll_seq = 0
         self.log_start = 0  # the oldest step whose sends are still logged
-        self._gc_at: int | None = None  # drop logs below this step at the next step start after it
-        self.held: tuple[int, int, torch.Tensor] | None = None  # (for rank, step, serialised checkpoint)
+        self.exchange = Exchange()  # the background checkpoint exchange (runtime/pp_ckpt.py)
+        self.channel: Any = None  # its process group, one per generation
+        self._snapshots = FlatSnapshots()  # the snapshot's host buffer, reused checkpoint after checkpoint
+        self.held: tuple[int, int, Packed] | None = None  # (for rank, step, checkpoint)
+        # the previous checkpoints (held, own), kept until the newer one is complete at every holder: a recovery
+        # in between may need them (runtime/pp_plan.py picks the newest step a whole replay set has)
+        self.held_prev: tuple[int, int, Packed] | None = None
+        self.own_prev: tuple[int, Packed] | None = None
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
         self.parallel: Any = None  # runtime/pp_parallel.Leader while helpers replay with this rank
@@ -108,7 +116,7 @@ class Pipeline:
         self.logged: set[int] | None = None
         self.groups: tuple[tuple[int, ...], ...] | None = None
         self.keep_own = False
-        self.own: tuple[int, torch.Tensor] | None = None
+        self.own: tuple[int, Packed] | None = None
         directory = os.environ.get("SWIFTRUN_STAGE_CKPT_DIR")
         self.disk = CheckpointDir(directory) if directory else None
         self.compute = 0.0  # seconds spent in forward and backward chunks during the current step
@@ -170,10 +178,24 @@ class Pipeline:
         self.keep_own = any(position in g and len(g) > 1 for g in self.groups)
 
     def regroup(self) -> None:
-        """Point stages built on one of the script's subgroups at its counterpart of the new generation."""
+        """Point stages built on one of the script's subgroups at its counterpart of the new generation, and
+        create the checkpoint exchange's channel of this generation (every rank, in the same order; through the
+        group manager, so an abort releases an exchange blocked on a dead peer at once)."""
         for stage in self.stages:
             if stage.group is not None:
                 stage.group = subgroups.current(stage.group)
+        assert not self.exchange.running, "stop_exchange() before the groups are rebuilt"
+        self.channel = None
+        if len(self.pipe_ranks()) > 1:
+            with collectives.internal():
+                self.channel = self.rec.group.new_group(list(range(self.rec.world_size)))
+
+    def stop_exchange(self, timeout: float) -> None:
+        """Before a recovery rebuilds the groups: the exchange in flight ends (the abort released its channel),
+        leaving this rank with the last checkpoint it had installed whole."""
+        if not self.exchange.wait(timeout):
+            raise RecoveryError(f"the stage checkpoint exchange of step {self.exchange.step} did not stop within "
+                                f"{timeout:.0f}s of the abort")
 
     # ------------------------------------------------------------------ interception
 
@@ -301,16 +323,24 @@ class Pipeline:
             self.volume, self._volume_now = self._volume_now, {}
         if self.replay is not None:
             return
-        if self._gc_at is not None and step > self._gc_at:
-            self._drop_before(self._gc_at)
-            self._gc_at = None
+        self._retire(self.exchange.complete_step)
         due = step % self.every == 0 or self.force_checkpoint
         if due and self.groups is None and step > 0 and pp_logplan.budget() is not None:
             pp_logplan.decide(self, step)  # a collective: every rank reaches this checkpoint step
         if due:
             self._exchange(step)
             self.force_checkpoint = False
-            self._gc_at = step
+
+    def _retire(self, complete: int) -> None:
+        """Checkpoint ``complete`` is installed at every holder: no replay can start before it any more."""
+        if complete < 0:
+            return
+        if complete > self.log_start:
+            self._drop_before(complete)
+        if self.held_prev is not None and self.held_prev[1] < complete:
+            self.held_prev = None
+        if self.own_prev is not None and self.own_prev[0] < complete:
+            self.own_prev = None
 
     def _drop_before(self, step: int) -> None:
         self.log.drop(lambda k: k[0] < step)
@@ -325,27 +355,47 @@ class Pipeline:
             del self.coll[key]
 
     def _exchange(self, step: int) -> None:
-        """Send this rank's checkpoint of ``step`` to the next rank of the pipeline; keep the previous rank's."""
+        """Snapshot this rank's checkpoint of ``step`` and exchange it in the background: to the next rank of the
+        pipeline, the previous rank's in (runtime/pp_ckpt.py)."""
         prev, nxt = self._neighbours()
-        if prev == self.rec.rank:
+        if prev == self.rec.rank or self.channel is None:
             return  # a one-rank pipeline has nobody to hold its checkpoint (a DP-only job never gets here)
+        if self.exchange.running:  # the previous one is still under way: one at a time
+            started = time.monotonic()
+            self.exchange.wait()
+            log.debug("stage checkpoint of step %d waited %.3fs for the exchange of step %d", step,
+                      time.monotonic() - started, self.exchange.step)
+            self._retire(self.exchange.complete_step)
         started = time.monotonic()
-        data = to_bytes({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()})
-        received = swap(data, nxt, prev, self.rec.group.device())
-        self.held = (prev, step, received)
-        self.own = (step, data) if self.keep_own else None
+        # this rank's own copies are earlier snapshots: their buffers must not be written
+        keep = tuple(own[1].flat for own in (self.own, self.own_prev) if own is not None)
+        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()},
+                                           keep)
+        log.debug("stage checkpoint of step %d: snapshot in %.3fs", step, time.monotonic() - started)
+        self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=ready,
+                            install=lambda s, received, sent: self._install(prev, s, received, sent))
+
+    def _install(self, prev: int, step: int, received: Packed, sent: Packed) -> None:
+        """In the exchange thread, once both transfers are whole: hold the previous rank's checkpoint, keep this
+        rank's own copy (a logging group rolls back to it), write it to the stage checkpoint directory."""
+        # the new copy goes in whole, the previous one stays until the new one is complete everywhere
+        self.held_prev, self.held = self.held, (prev, step, received)
+        self.own_prev, self.own = self.own, ((step, sent) if self.keep_own else None)
         if self.disk is not None:
-            self.disk.write(self.rec.rank, step, data)
-        log.debug("stage checkpoint of step %d exchanged (%d bytes out, %d in) in %.3fs", step, data.numel(),
-                  received.numel(), time.monotonic() - started)
+            self.disk.write(self.rec.rank, step, sent)
+            self.disk.flush()  # complete means on disk too: the copy of last resort needs the same logs
 
     # ------------------------------------------------------------------ recovery
 
     def status(self, valid: bool, updates: int, boundary: bool, undoable: bool, outside: bool) -> StageStatus:
         held_for, held_step = (self.held[0], self.held[1]) if self.held is not None else (-1, -1)
+        prev = self.held_prev
+        held_prev_step = prev[1] if prev is not None and prev[0] == held_for else -1
         return StageStatus(self.rec.rank, valid, updates, boundary, undoable, self.stage_indices, self.pipe_ranks(),
                            held_for, held_step, self.log_start, outside,
                            own_step=self.own[0] if self.own is not None else -1,
+                           held_prev_step=held_prev_step,
+                           own_prev_step=self.own_prev[0] if self.own_prev is not None else -1,
                            disk_step=self.disk.latest(self.rec.rank) if self.disk is not None else -1)
 
     def part_for(self, replay: Any, member: int, point: int, checkpoint: bool, logs: bool, coll: bool) -> dict:
@@ -353,10 +403,12 @@ class Pipeline:
         stages, the logged collective results."""
         part: dict[str, Any] = {}
         if checkpoint:
-            if self.held is None or self.held[0] != member or self.held[1] != replay.start:
+            held = next((h for h in (self.held, self.held_prev)
+                         if h is not None and h[0] == member and h[1] == replay.start), None)
+            if held is None:
                 raise RecoveryError(f"rank {self.rec.rank} does not hold the checkpoint of step {replay.start} of "
                                     f"rank {member}")
-            part["checkpoint"] = self.held[2]
+            part["checkpoint"] = held[2]
         if logs:
             to_member = {i for i in range(self.num_stages) if self._rank_of(i) == member}
             part["log"] = self.log.select(lambda k: replay.start <= k[0] <= point and k[3] in to_member)
@@ -373,10 +425,14 @@ class Pipeline:
             return self.tap.pipe[stage_index]
         return self.stages[0]._resolve_peer_global_rank(stage_index)
 
-    def enter_replay(self, replay: Any, point: int, checkpoint: torch.Tensor, logs: dict, coll: dict) -> None:
+    def own_copy(self, step: int) -> Packed | None:
+        """This rank's own checkpoint of ``step`` (a logging group rolls back to it), if it keeps one."""
+        return next((own[1] for own in (self.own, self.own_prev) if own is not None and own[0] == step), None)
+
+    def enter_replay(self, replay: Any, point: int, checkpoint: Packed, logs: dict, coll: dict) -> None:
         """Install the checkpoint and replay steps ``replay.start .. point``; the set's members talk live, the
         rest is served from ``logs``."""
-        loaded = from_bytes(checkpoint)
+        loaded = checkpoint.unpack()
         if loaded["step"] != replay.start:
             raise RecoveryError(f"the stage checkpoint received is of step {loaded['step']}, not {replay.start}")
         st.install(self.rec.reg, loaded["tree"])

@@ -27,6 +27,7 @@ from swiftrun.runtime.pp_plan import DISK, PipePlan, Replay
 
 if TYPE_CHECKING:
     from swiftrun.runtime.pipeline import Pipeline
+    from swiftrun.runtime.pp_ckpt import Packed
 
 _TAG_SIZE, _TAG_DATA = 0x5717, 0x5718  # apart from the schedule's own traffic (tag 0)
 
@@ -59,9 +60,10 @@ def hand_over(pp: Pipeline, plan: PipePlan) -> Replay | None:
         return None
     source = mine.source_of(rank)
     if source == rank:
-        if pp.own is None or pp.own[0] != mine.start:
+        own = pp.own_copy(mine.start)
+        if own is None:
             raise RecoveryError(f"rank {rank} must roll back to its checkpoint of step {mine.start} but holds none")
-        data = pp.own[1]
+        data = own
     elif source == DISK:
         assert pp.disk is not None
         data = pp.disk.read(rank, mine.start)
@@ -76,7 +78,8 @@ def hand_over(pp: Pipeline, plan: PipePlan) -> Replay | None:
 def to_bytes(obj: Any) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    # a view of the buffer, not a copy of it (a stage checkpoint is the size of the stage's state)
+    return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
 
 
 def from_bytes(data: torch.Tensor) -> Any:
@@ -87,15 +90,17 @@ def _tag(device: torch.device, tag: int) -> dict:
     return {} if device.type == "cuda" else {"tag": tag}  # NCCL has no tags: order per pair is enough
 
 
-def swap(data: torch.Tensor, to: int, frm: int, device: torch.device) -> torch.Tensor:
-    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (one step of a ring)."""
+def swap(data: torch.Tensor, to: int, frm: int, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (one step of a ring), on
+    ``group`` (global ranks; None: the default group)."""
     size_out = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     size_in = torch.empty(1, dtype=torch.int64, device=device)
-    for work in (dist.isend(size_out, to, **_tag(device, _TAG_SIZE)), dist.irecv(size_in, frm, **_tag(device, _TAG_SIZE))):
+    for work in (dist.isend(size_out, to, group=group, **_tag(device, _TAG_SIZE)),
+                 dist.irecv(size_in, frm, group=group, **_tag(device, _TAG_SIZE))):
         work.wait()
     inbound = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device)
-    for work in (dist.isend(data.to(device), to, **_tag(device, _TAG_DATA)),
-                 dist.irecv(inbound, frm, **_tag(device, _TAG_DATA))):
+    for work in (dist.isend(data.to(device), to, group=group, **_tag(device, _TAG_DATA)),
+                 dist.irecv(inbound, frm, group=group, **_tag(device, _TAG_DATA))):
         work.wait()
     return inbound.cpu()
 
@@ -124,20 +129,25 @@ class CheckpointDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self._writer: threading.Thread | None = None
 
-    def write(self, rank: int, step: int, data: torch.Tensor) -> None:
-        """Write in the background; a write still running is waited for first (one in flight per rank)."""
+    def write(self, rank: int, step: int, data: Packed) -> None:
+        """Write in the background; a write still running is waited for first (one in flight per rank). ``data``
+        must not change until :meth:`flush` returns."""
         if self._writer is not None:
             self._writer.join()
-        payload = data.numpy().tobytes()
-        self._writer = threading.Thread(target=self._write, args=(rank, step, payload), daemon=True,
+        self._writer = threading.Thread(target=self._write, args=(rank, step, data), daemon=True,
                                         name="swiftrun-stage-ckpt")
         self._writer.start()
 
-    def _write(self, rank: int, step: int, payload: bytes) -> None:
+    def flush(self) -> None:
+        """Wait for the write in flight, if any."""
+        if self._writer is not None:
+            self._writer.join()
+
+    def _write(self, rank: int, step: int, data: Packed) -> None:
         final = self.path / f"rank{rank}.step{step}.ckpt"
         tmp = final.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
-            f.write(payload)
+            data.write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -156,9 +166,11 @@ class CheckpointDir:
         steps = self.steps(rank)
         return steps[-1] if steps else -1
 
-    def read(self, rank: int, step: int) -> torch.Tensor:
+    def read(self, rank: int, step: int) -> Packed:
+        from swiftrun.runtime.pp_ckpt import Packed  # noqa: F811 - pp_ckpt imports this module
+
         path = self.path / f"rank{rank}.step{step}.ckpt"
         try:
-            return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        except OSError as exc:
+            return Packed.parse(bytearray(path.read_bytes()))
+        except (OSError, ValueError) as exc:
             raise RecoveryError(f"the stage checkpoint {path} cannot be read: {exc}") from exc

@@ -16,7 +16,9 @@ What replays together is a *replay set*: the lost rank's logging group (selectiv
 inside a group unlogged, so a group's surviving members roll back to their own checkpoint copy and replay with
 it, talking live among themselves). Sets grow when a rank whose logs they need is itself lost (two adjacent
 stages lost together: both replay, from their checkpoints). Every member must find a checkpoint of the same step
-(its own copy, the copy its holder keeps, or the stage checkpoint directory); when none exists the plan raises
+(its own copy, the copy its holder keeps, or the stage checkpoint directory; the newest step every member has,
+since a checkpoint exchange interrupted by the failure leaves some with the new step and some with only the
+previous one); when none exists the plan raises
 :class:`~swiftrun.errors.RecoveryError` with the reason, which the launcher turns into a restart of every worker
 (with ``--max-restarts``) or a clean stop: never a silently wrong model.
 """
@@ -46,6 +48,10 @@ class StageStatus:
     outside_step: bool = False
     own_step: int = -1  # the step of this rank's own checkpoint copy (kept when its logging group has peers)
     disk_step: int = -1  # the newest complete checkpoint of this rank in the stage checkpoint directory
+    # while a background checkpoint exchange is incomplete (runtime/pp_ckpt.py) the previous copies are kept too:
+    # a replay set whose members' new checkpoints did not all arrive falls back to the previous step
+    held_prev_step: int = -1
+    own_prev_step: int = -1
 
 
 @dataclass(frozen=True)
@@ -169,37 +175,40 @@ def _replay_sets(lost: list[int], by_rank: dict[int, StageStatus],
 
 def _replay(members: set[int], by_rank: dict[int, StageStatus], point: int) -> Replay:
     label = "rank(s) " + ", ".join(map(str, sorted(members)))
-    sources: list[tuple[int, int]] = []
-    steps: dict[int, int] = {}
-    for m in sorted(members):
-        status = by_rank[m]
-        if status.valid:
-            if status.own_step < 0:
-                raise RecoveryError(f"rank {m} must roll back with {label} but keeps no checkpoint of its own")
-            sources.append((m, m))
-            steps[m] = status.own_step
-            continue
-        holders = [s for s in by_rank.values() if s.held_for == m and s.valid]
-        if holders:
-            holder = max(holders, key=lambda s: s.held_step)
-            sources.append((m, holder.rank))
-            steps[m] = holder.held_step
-        elif status.disk_step >= 0:
-            sources.append((m, DISK))
-            steps[m] = status.disk_step
-        else:
-            raise RecoveryError(
-                f"{label} must replay, but the stage checkpoint of rank {m} was lost with the rank that held it "
-                "(adjacent stages lost together) and no --stage-ckpt-dir copy exists")
-    start = min(steps.values())
-    if set(steps.values()) != {start}:
+    options = {m: _checkpoints(m, by_rank, label) for m in sorted(members)}  # member -> step -> source
+    common = set.intersection(*(set(o) for o in options.values()))
+    if not common:
         raise RecoveryError(f"{label} must replay together, but their checkpoints are of different steps "
-                            f"({', '.join(f'rank {r}: {s}' for r, s in sorted(steps.items()))})")
-    if start > point + 1:
-        raise RecoveryError(f"the checkpoint of {label} is at step {start}, past the recovery point {point}")
+                            f"({', '.join(f'rank {r}: {sorted(o)}' for r, o in options.items())})")
+    usable = [step for step in common if step <= point + 1]
+    if not usable:
+        raise RecoveryError(f"the checkpoint of {label} is at step {min(common)}, past the recovery point {point}")
+    start = max(usable)  # the newest: the shortest replay
+    sources = [(m, options[m][start]) for m in sorted(members)]
     peers = _peers(members, by_rank)
     for rank in sorted(peers):
         if start <= point and by_rank[rank].log_start > start:
             raise RecoveryError(f"rank {rank} no longer holds the logs of step {start} that replaying {label} needs")
     stages = tuple(sorted(stage for m in members for stage in by_rank[m].stages))
     return Replay(tuple(sorted(members)), start, tuple(sources), tuple(sorted(peers)), stages)
+
+
+def _checkpoints(m: int, by_rank: dict[int, StageStatus], label: str) -> dict[int, int]:
+    """The steps of member ``m``'s checkpoints a replay can start from, each with its source (a rank, or DISK)."""
+    status = by_rank[m]
+    if status.valid:  # a surviving group member rolls back to its own copy
+        found = {step: m for step in (status.own_step, status.own_prev_step) if step >= 0}
+        if not found:
+            raise RecoveryError(f"rank {m} must roll back with {label} but keeps no checkpoint of its own")
+        return found
+    found = {status.disk_step: DISK} if status.disk_step >= 0 else {}
+    holders = sorted((s for s in by_rank.values() if s.held_for == m and s.valid), key=lambda s: -s.rank)
+    for holder in holders:  # a copy in memory beats the disk; the lowest rank among several holders
+        for step in (holder.held_step, holder.held_prev_step):
+            if step >= 0:
+                found[step] = holder.rank
+    if not found:
+        raise RecoveryError(
+            f"{label} must replay, but the stage checkpoint of rank {m} was lost with the rank that held it "
+            "(adjacent stages lost together) and no --stage-ckpt-dir copy exists")
+    return found

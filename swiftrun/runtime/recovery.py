@@ -304,6 +304,8 @@ class Recovery:
     def _recover_generation(self, gen: int) -> tuple[Plan | PipePlan, dict[str, float]]:
         phases: dict[str, float] = {}
         t = time.monotonic()
+        if self.pipeline is not None:  # its background exchange uses a group the rebuild destroys
+            self.pipeline.stop_exchange(self._detect_timeout())
         self.group.build(gen, self._connect_timeout())
         faults.fire("recover", max(self.step, 0))
         phases["rebuild"] = time.monotonic() - t
@@ -642,6 +644,10 @@ class Recovery:
         Returns None when released, or the step to resume at after a recovery."""
         if self.pipeline is not None and self.pipeline.replay is not None and not self._end_replay():
             return self.recover()  # a failure during the replay of the last steps
+        if self.pipeline is not None:
+            # a checkpoint exchange still under way ends first (a peer's failure ends it too, and the wait for
+            # RELEASE below turns that into a recovery): the groups must not go while it uses one
+            self.pipeline.exchange.wait()
         gen = self.generation
         self.link.send_event(EventKind.FINISHING, gen=gen, completed=self.completed)
         self.link.wait_for(lambda: self._command_for(CommandKind.RELEASE, gen) or self._aborted())

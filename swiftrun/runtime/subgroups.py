@@ -33,7 +33,7 @@ _original: Callable[..., Any] | None = None
 def recording_allowed() -> bool:
     from swiftrun.runtime import collectives
 
-    return not collectives._depth  # noqa: SLF001 - swiftrun's own groups are not the script's
+    return not collectives.bypassed()  # swiftrun's own groups are not the script's
 
 
 def _wrap(new_group: Callable[..., Any]) -> Callable[..., Any]:

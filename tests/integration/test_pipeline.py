@@ -92,6 +92,22 @@ def test_lost_stage_is_replayed_bitwise(tmp_path, reference, fault, script):
 
 
 @pytest.mark.timeout(240)
+def test_a_rank_lost_in_its_checkpoint_exchange_replays_from_the_previous_checkpoint(tmp_path, reference):
+    """Rank 2 dies in its background checkpoint exchange of step 4, before any of it reached its holder (rank 3):
+    rank 3 still holds the checkpoint of step 0 and its neighbours the logs since (the new checkpoint never
+    completed), so rank 2 replays from step 0, bitwise."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--fault", "2:4:exchange:sigkill"), marker="pp-exchange", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [r["outcome"] for r in ended] == ["recovered"] and ended[0]["mode"] == "replay", ended
+    (replay,) = [r for r in records(tmp_path) if r["event"] == "replay" and r["rank"] == 2]
+    assert replay["first"] == 0, replay
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, 2).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("cap, helpers", [("0", []), ("1", [0])])
 def test_parallel_replay_cap(tmp_path, reference, cap, helpers):
     """--parallel-replay 0 replays alone; 1 takes one helper (two ranges of two micro-batches, folded over a

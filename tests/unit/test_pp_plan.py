@@ -126,3 +126,33 @@ def test_pipeline_shape_problems_are_named():
     doubled = [dict(r, stages=(1,) if r["rank"] == 2 else r["stages"]) for r in good]
     assert "stage 1 is run by ranks [1, 2]" in pipeline_problem(doubled)
     assert "different numbers of stages" in pipeline_problem([dict(good[0], num_stages=3)] + good[1:])
+
+
+def test_an_interrupted_checkpoint_exchange_falls_back_to_the_step_every_member_has():
+    """Logging group [2, 3]; the background exchange of step 8 was cut short by rank 2's death: rank 3 had
+    installed rank 2's checkpoint of step 8 but not yet its own copy of it. Both still have step 4: the set
+    replays from there."""
+    from dataclasses import replace
+
+    groups = ((0, 1), (2, 3))
+    statuses = [status(0, updates=9), status(1, updates=9, own_step=8, held_step=8),
+                replace(status(2, valid=False, updates=-1), own_step=-1),
+                replace(status(3, updates=9, own_step=4), held_step=8, held_prev_step=4)]
+    (replay,) = plan_pipeline(statuses, groups).replays
+    assert replay.ranks == (2, 3) and replay.start == 4 and replay.sources == ((2, 3), (3, 3))
+    # once rank 3's own copy of step 8 arrived too, the newer step wins
+    statuses[3] = replace(statuses[3], own_step=8, own_prev_step=4)
+    (replay,) = plan_pipeline(statuses, groups).replays
+    assert replay.start == 8
+
+
+def test_a_lone_replay_takes_the_holders_newest_checkpoint_and_refuses_disjoint_steps():
+    from dataclasses import replace
+
+    plan = plan_pipeline([status(0), status(1), status(2, valid=False, updates=-1),
+                          replace(status(3), held_step=4, held_prev_step=0)])
+    assert plan.replays[0].start == 4 and plan.replays[0].source_of(2) == 3
+    groups = ((0, 1), (2, 3))
+    with pytest.raises(RecoveryError, match="different steps"):
+        plan_pipeline([status(0), status(1), status(2, valid=False),
+                       replace(status(3, own_step=8, held_step=4), own_prev_step=6)], groups)
