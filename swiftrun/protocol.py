@@ -43,6 +43,7 @@ class EventKind(str, enum.Enum):
     UNRECOVERABLE = "UNRECOVERABLE"  # no consistent state can be reached in place (data: reason)
     FINISHING = "FINISHING"  # the training loop ended; waits for every rank before leaving
     FAILED = "FAILED"  # the user's script raised (data: traceback); sent before the process exits
+    EXITING = "EXITING"  # the script returned: the interpreter shuts down and heartbeats stop
     WARNING = "WARNING"  # something the user must know (data: message): an inexact recovery, a skipped call
 
 

@@ -47,6 +47,10 @@ from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
 SETUP_GRACE = 15.0  # seconds of silence tolerated while a worker imports and sets up (see _silence_limit)
+# seconds a worker whose script returned may take to exit: its heartbeats stop with the script, and torch's exit
+# (process groups destroyed, threads joined, atexit handlers) took 4-7 s on 2 loaded cores. Bounded, so a worker
+# that hangs in exit is still ended.
+EXIT_GRACE = 60.0
 
 LIVE = {
     WorkerState.STARTING,
@@ -82,6 +86,7 @@ class Slot:
     ready_gen: int = -1  # generation this slot reported ABORTED/JOINING for
     recovered_gen: int = -1
     finishing: bool = False
+    exiting: bool = False  # its script returned (EXITING): silence is the interpreter's exit, see EXIT_GRACE
     failed_after_release: bool = False  # failed once training had completed on every rank: not a job failure
     step: int | None = None
     step_changed_at: float = 0.0
@@ -240,6 +245,9 @@ class Job:
         if kind is EventKind.FAILED:
             slot.traceback = str(data.get("traceback") or "") or None
             return []
+        if kind is EventKind.EXITING:
+            slot.exiting = True
+            return []
         if kind is EventKind.LOG_PLAN:
             return [Note(str(data.get("message", ""))), Record(EventName.LOG_PLAN, dict(data))]
         if slot.rank is None or not slot.alive:
@@ -389,7 +397,8 @@ class Job:
                 slot.slot_id in stopped and silent_for > t.heartbeat_timeout
             ):
                 how = "stopped" if slot.slot_id in stopped else "hung"
-                cause = f"no heartbeat for {silent_for:.1f}s ({how})"
+                cause = (f"still running {silent_for:.1f}s after its script returned ({how} in exit)" if slot.exiting
+                         else f"no heartbeat for {silent_for:.1f}s ({how})")
             elif (
                 t.progress_timeout
                 and slot.rank is not None
@@ -458,6 +467,8 @@ class Job:
         SETUP_GRACE after HELLO) importing torch can hold the GIL for seconds on a loaded machine, starving the
         heartbeat thread: allow SETUP_GRACE then."""
         t = self.config.timeouts
+        if slot.exiting:  # the script returned; heartbeats stopped with it
+            return max(t.heartbeat_timeout, EXIT_GRACE)
         in_setup = slot.step is None and now - slot.hello_at < SETUP_GRACE
         return max(t.heartbeat_timeout, SETUP_GRACE) if in_setup else t.heartbeat_timeout
 

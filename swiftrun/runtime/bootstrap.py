@@ -228,15 +228,21 @@ def main(argv: list[str], warm: bool = False) -> None:
     try:
         run_target(mode, target, args)
     except SystemExit:
-        if link is not None:
-            link.close()
+        _leave(link)
         raise
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as python would, then exit 1
         _report_failure(link, exc, target)
         sys.exit(1)
+    _leave(link)
+
+
+def _leave(link: Link | None) -> None:
+    """The script returned: say so before the heartbeats stop, since torch's own exit (process groups, threads,
+    atexit handlers) can take seconds and must not look like a hang to the launcher."""
     if link is not None:
+        link.send_event(EventKind.EXITING)
         link.close()
 
 

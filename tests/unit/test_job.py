@@ -18,7 +18,7 @@ from swiftrun.config import Entrypoint, EntrypointKind, LaunchConfig, RecoveryMo
 from swiftrun.events import EventName
 from swiftrun.launcher import failures
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
-from swiftrun.launcher.job import SETUP_GRACE, Job
+from swiftrun.launcher.job import EXIT_GRACE, SETUP_GRACE, Job
 from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
@@ -366,6 +366,25 @@ def test_silence_during_setup_grace_is_tolerated_but_not_past_it():
     sim.advance(2)  # past the grace: the ordinary heartbeat timeout applies
     actions = sim.tick()
     assert sorted(k.slot_id for k in kills(actions, SIGKILL)) == [0, 1]
+
+
+def test_a_worker_whose_script_returned_may_stay_silent_while_it_exits_but_not_forever():
+    """torch's exit (process groups, threads, atexit) took 4-7 s on loaded cores, past short heartbeat
+    timeouts: after EXITING the silence is the interpreter's exit, bounded by EXIT_GRACE."""
+    sim = running(2, timeouts=FAST)
+    sim.alive(0, step=1)
+    sim.alive(1, step=1)
+    sim.event(1, EventKind.EXITING)
+
+    sim.advance(FAST.heartbeat_timeout + 1)
+    sim.alive(0, step=2)
+    assert sim.tick() == []
+
+    sim.advance(EXIT_GRACE)
+    sim.alive(0, step=3)
+    actions = sim.tick()
+    assert kills(actions, SIGKILL) == [Kill(1, SIGKILL)]
+    assert "after its script returned" in records(actions, EventName.WORKER_FAILED)[0].fields["cause"]
 
 
 def test_a_stopped_worker_is_hung_even_during_setup_grace():
