@@ -83,6 +83,12 @@ class GroupManager:
             if generation < self._aborted_below:
                 raise RuntimeError(f"generation {generation} was aborted before its group was built")
         self.destroy()
+        # torch names the default group after a counter that only destroy_process_group() resets; a build that
+        # failed (a peer died before it connected: the store wait timed out) took name "0" without a group to
+        # destroy, so this rank's next group would be "1" while a replacement's is "0": each would wait for the
+        # other's keys in the store until the connect timeout (fault campaign, a kill right after start-up)
+        if hasattr(dist.distributed_c10d, "_world"):
+            dist.distributed_c10d._world.group_count = 0
         store = self.store()  # before the snapshot: the store's own connection must never be shut down
         before = _connected_tcp_sockets()
         prefixed = dist.PrefixStore(STORE_PREFIX.format(generation=generation), store)

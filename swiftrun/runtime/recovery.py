@@ -117,6 +117,7 @@ class Recovery:
         self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self._aborted())
         if not self._aborted():
             try:
+                faults.fire("connect", 0)
                 with collectives.internal():
                     self.group.build(self.generation, self._connect_timeout())
                 if self.pipeline is not None:
