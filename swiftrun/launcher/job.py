@@ -113,6 +113,7 @@ class Recovery:
     recover_sent_at: float | None = None
     mode: str | None = None
     source_rank: int | None = None
+    undo: tuple[int, ...] = ()  # ranks that undid an update (a pipeline replay may undo on other ranks too)
     done: bool = False
     total: float | None = None
     replay: str | None = None  # progress of a pipeline stage's replay, for the dashboard
@@ -753,6 +754,7 @@ class Job:
         if plans:
             rec.mode = plans[0].get("mode")
             rec.source_rank = plans[0].get("source")
+            rec.undo = tuple(sorted(int(r) for r in plans[0].get("undo") or ()))
         return actions
 
     def _end_phase(self, phase: RecoveryPhase, now: float) -> list[Action]:
@@ -775,7 +777,7 @@ class Job:
         self.recovery = None
         self._records.append(Record(EventName.RECOVERY_END, {
             "generation": rec.generation, "outcome": outcome, "mode": rec.mode, "source_rank": rec.source_rank,
-            "total": rec.total, "failed_ranks": list(rec.failed_ranks),
+            "total": rec.total, "failed_ranks": list(rec.failed_ranks), "undo": list(rec.undo),
         }))
 
     def drain_records(self) -> list[Action]:
