@@ -159,6 +159,7 @@ def test_swiftrun_replays_a_killed_interleaved_rank_to_torchruns_result(pp_runs,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # a 4-rank run; tests/unit/test_pp_parallel.py covers the side-effect check in the default suite
 def test_swiftrun_replays_a_killed_stage_whose_dropout_counts_forwards(pp_runs, tmp_path, marker):
     """4 stages, 1F1B, rank 1 SIGKILLed: its replacement is offered the three idle survivors as helpers, but the
     script's dropout derives its mask from the number of forwards run in the step (a counter the module changes),
