@@ -121,6 +121,22 @@ def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended
+def test_survivors_that_undo_the_interrupted_step_end_bitwise_with_exact_undo(tmp_path, reference):
+    """GPipe, the first stage killed in its backward: the last two stages already applied that step's update, the
+    second did not (its gradient send to the dead rank failed). The replay ends at the step before, so stages 2 and
+    3 undo their update (recovery_end's ``undo``); an inverted AdamW step is a few ULP off (the campaign saw
+    1-2e-7 relative on every rank, classed CLOSE), --exact-undo puts back a pre-step copy: bitwise."""
+    ref = reference(("--schedule", "gpipe"))
+    proc = run(launch(tmp_path, "--exact-undo", "--fault", "0:6:backward:sigkill", script=("--schedule", "gpipe")),
+               marker="pp-undo", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")] and ended[0]["undo"], ended
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
 def test_rank_lost_while_the_first_group_connects(tmp_path, reference):
     """Every rank registered; rank 1 dies before it builds the first process group, so the others' build fails
     when the store wait times out. That failed build used up torch's name for the default group: without a reset
