@@ -119,6 +119,13 @@ class Recovery:
     replay: str | None = None  # progress of a pipeline stage's replay, for the dashboard
 
 
+def _undone(before: tuple[int, ...], plan: Any) -> tuple[int, ...]:
+    """The ranks that undid an update in any generation of one recovery (a replay interrupted by a second
+    failure is planned again, and the second plan finds nothing left to undo)."""
+    more = (plan or {}).get("undo") or () if isinstance(plan, dict) else ()
+    return tuple(sorted(set(before) | {int(r) for r in more}))
+
+
 class Job:
     """The supervisor state machine of one node. Feed it events; carry out what it returns."""
 
@@ -253,6 +260,8 @@ class Job:
             if gen == self.generation:
                 slot.recovered_gen = gen
                 slot.recovery_data = dict(data)
+                if self.recovery is not None:  # a newer generation's plan must not hide an earlier undo
+                    self.recovery.undo = _undone(self.recovery.undo, data.get("plan"))
             return self._advance_recovery(now)
         if kind is EventKind.UNRECOVERABLE:
             reason = str(data.get("reason", "no consistent state could be reached in place"))
@@ -754,7 +763,7 @@ class Job:
         if plans:
             rec.mode = plans[0].get("mode")
             rec.source_rank = plans[0].get("source")
-            rec.undo = tuple(sorted(int(r) for r in plans[0].get("undo") or ()))
+            rec.undo = _undone(rec.undo, plans[0])
         return actions
 
     def _end_phase(self, phase: RecoveryPhase, now: float) -> list[Action]:

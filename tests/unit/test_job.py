@@ -1417,3 +1417,13 @@ def test_a_workers_warning_reaches_the_console_and_the_event_log():
     assert [r.fields["message"] for r in records(actions, EventName.WARNING)] == [
         "dist.all_reduce at train.py:9 was skipped"]
     assert any("WARNING rank 1" in n.text for n in of(actions, Note))
+
+
+def test_undo_of_an_earlier_generation_is_kept_in_the_recovery_record():
+    """A replay interrupted by a second failure is planned again; that plan finds nothing left to undo, but the
+    recovery_end must still say who undid an update (pipeline campaign, replay-kill run 2)."""
+    from swiftrun.launcher.job import _undone
+
+    assert _undone((), {"mode": "replay", "undo": [3, 2]}) == (2, 3)
+    assert _undone((2, 3), {"mode": "replay", "undo": []}) == (2, 3)
+    assert _undone((2,), None) == (2,)
