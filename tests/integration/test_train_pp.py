@@ -173,3 +173,21 @@ def test_swiftrun_replays_a_killed_stage_whose_dropout_counts_forwards(pp_runs, 
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert replays and replays[0]["helpers"] == [0, 2, 3], replays
     assert_equal_nested(load(reference), load(save), "rank files")
+
+
+@pytest.mark.timeout(300)
+def test_swiftrun_recovers_interleaved_4_ranks_from_a_kill_in_step_1(pp_runs, tmp_path, marker):
+    """Interleaved 1F1B on 4 ranks (8 virtual stages), rank 3 SIGKILLed in step 1's forward. torch's runtime
+    schedule keeps the receives it posted for a micro-batch until its forward or backward runs, across steps: the
+    aborted step left some behind and a survivor failed the next step with "Recv twice ... without executing
+    forward" (fault campaign, pp_interleaved run 0), so survivors were replaced one after the other. The recovery
+    clears them: no survivor is replaced, and the model is bitwise the single process's."""
+    single = pp_runs("single", "--layers", "8")
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--event-log", str(events),
+                        "--fault", "3:1:forward:sigkill", str(TRAIN_PP), *COMMON, "--layers", "8",
+                        "--schedule", "interleaved", "--ckpt-every", "2", "--save-dir", str(save)), marker)
+    failed = [json.loads(line)["rank"] for line in events.read_text().splitlines() if '"worker_failed"' in line]
+    assert failed == [3], failed
+    reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
+    assert_equal_nested(merged_model(save), reference, "model")
