@@ -4,6 +4,8 @@ final state compared with a failure-free run of the same configuration.
     python scripts/fault_campaign.py --seed 1 --runs 40 --out /tmp/campaign
     python scripts/fault_campaign.py --seed 1 --runs 40 --only 17          # replay run 17 (same flags otherwise)
     python scripts/fault_campaign.py --seed 1 --scripts gpt,ema --world 3
+    python scripts/fault_campaign.py --seed 1 --runs 20 --scripts pp_1f1b          # pipelines (4 ranks)
+    python scripts/fault_campaign.py --seed 1 --runs 8 --scripts pp_1f1b --pp-scenario replay-kill
 
 Each run draws (from ``--seed`` and its index only) a configuration (a zoo script or examples/train_dp.py, a
 world size) and one or two faults: ``--fault RANK:STEP:PHASE:KIND`` injected by swiftrun (only the phases the
@@ -15,7 +17,16 @@ CLOSE    exit 0, within 1e-6 relative (of the largest magnitude of the entry's k
          and a recovery undid an update (an inverted update is exact to a few ULP)
 REFUSED  non-zero exit with a message saying why (the reason is shown and counted)
 BUG      exit 0 with a different state, replicas that differ, a hang past the deadline, leaked processes, a
-         traceback from swiftrun's own code, a missing result file
+         traceback from swiftrun's own code, a missing result file, a survivor whose process changed
+
+Pipelines (``pp_*``: examples/train_pp.py; ``p2p_*``: the hand-written P2P pipeline of tests/scripts) always run
+4 ranks and get one outside SIGKILL of a *rank* (its current process, whichever incarnation), drawn uniformly over
+the whole run (``window run``) or over the failure-free run's training steps (``window train``): start-up is most
+of a short run, and the steps are where replay happens. ``--pp-scenario``: ``single`` (that one kill),
+``replay-kill`` (a second kill as soon as the event log shows the replay, of the replaying rank or of a random
+rank), ``both-replicas`` (``pp_dp2``: both replicas of one stage killed at the same instant). Every survivor must
+keep its process (checked from the event log's pids) unless the launcher restarted every worker (a failure at
+start-up, before anything was trained, or a refusal turned into a restart), which the line says.
 
 Prints one line per run as it finishes, a summary table at the end, and writes ``<out>/results.json``.
 """
@@ -66,6 +77,22 @@ SCRIPTS: dict[str, tuple[str, tuple[str, ...], bool, bool]] = {
     "train_dp_sync": ("examples/train_dp.py", ("--steps", "30", "--optimizer", "momentum", "--hidden", "64",
                                                "--layers", "3", "--sync-loss"), False, True),
 }
+# pipelines: 4 ranks, short runs (a few layers, small hidden), a stage checkpoint interval that makes replays happen
+_PP = ("--steps", "60", "--layers", "4", "--hidden", "32", "--batch", "16", "--microbatches", "4", "--dropout", "0.1",
+       "--optimizer", "adamw", "--ckpt-every", "8")
+PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pp_1f1b": ("examples/train_pp.py", (*_PP, "--schedule", "1f1b")),
+    "pp_gpipe": ("examples/train_pp.py", (*_PP, "--schedule", "gpipe")),
+    "pp_interleaved": ("examples/train_pp.py", (*_PP[:2], "--layers", "8", *_PP[4:], "--schedule", "interleaved")),
+    "pp_dp2": ("examples/train_pp.py", (*_PP, "--schedule", "1f1b", "--dp", "2")),
+    "p2p_1f1b": ("tests/scripts/pipeline_p2p.py", ("--steps", "60", "--ckpt-every", "8", "--schedule", "1f1b",
+                                                   "--clip", "0.5")),
+    "p2p_gpipe": ("tests/scripts/pipeline_p2p.py", ("--steps", "60", "--ckpt-every", "8", "--schedule", "gpipe")),
+}
+for _name, (_script, _args) in PIPELINES.items():
+    SCRIPTS[_name] = (_script, _args, False, "--clip" in _args)
+PP_WORLD = 4
+SCENARIOS = ("single", "replay-kill", "both-replicas")
 
 
 def steps_of(args: tuple[str, ...]) -> int:
@@ -80,14 +107,17 @@ def flatten(state: dict) -> dict[str, torch.Tensor]:
     if "model" not in state or not isinstance(state["model"], dict):
         return state
     out = {f"model.param.{k}": v for k, v in state["model"].items()}
-    for pid, entries in state["optimizer"]["state"].items():
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                out[f"opt0.state.{pid}.{key}"] = value
-    for j, group in enumerate(state["optimizer"]["param_groups"]):
-        for key, value in group.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"opt0.group{j}.{key}"] = torch.tensor(float(value), dtype=torch.float64)
+    # one optimizer, or a list of them (train_pp.py --schedule interleaved: one per stage of the rank)
+    optimizers = state["optimizer"] if isinstance(state["optimizer"], list) else [state["optimizer"]]
+    for i, optimizer in enumerate(optimizers):
+        for pid, entries in optimizer["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"opt{i}.state.{pid}.{key}"] = value
+        for j, group in enumerate(optimizer["param_groups"]):
+            for key, value in group.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[f"opt{i}.group{j}.{key}"] = torch.tensor(float(value), dtype=torch.float64)
     out["step"] = torch.tensor(state["step"])
     return out
 
@@ -164,6 +194,7 @@ class Plan:
     faults: list[str] = field(default_factory=list)          # swiftrun --fault specs
     script: list[str] = field(default_factory=list)          # script-level faults (eval_ckpt --crash)
     external: list[dict] = field(default_factory=list)       # {"signal": "SIGKILL", "at": fraction of the run}
+    scenario: str = ""                                       # pipelines: single, replay-kill, both-replicas
 
 
 @dataclass
@@ -183,6 +214,9 @@ class Outcome:
     max_rel_diff: float | None = None
     differing: list[str] = field(default_factory=list)
     out_dir: str = ""
+    time_lost: float | None = None  # seconds beyond the failure-free run (pipelines)
+    launcher_lost: float | None = None  # the launcher's own account (job_end's time_lost)
+    survivors: str = ""  # pipelines: "kept", or what changed
 
 
 def command(config: str, world: int, save: Path, events: Path, faults: list[str], extra: list[str],
@@ -190,14 +224,55 @@ def command(config: str, world: int, save: Path, events: Path, faults: list[str]
     script, args, _, _ = SCRIPTS[config]
     args = (*args, *script_extra)
     fault_args = [a for f in faults for a in ("--fault", f)]
-    return [sys.executable, "-m", "swiftrun", "--nproc-per-node", str(world), *FAST, "--event-log", str(events),
+    # pipelines run 4 ranks on a shared machine: a 4 s heartbeat timeout declared ranks tearing down hung
+    fast = [*FAST[:3], "10", *FAST[4:]] if config in PIPELINES else FAST
+    return [sys.executable, "-m", "swiftrun", "--nproc-per-node", str(world), *fast, "--event-log", str(events),
             *fault_args, *extra, str(REPO / script), *args, "--save-dir", str(save)]
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def rank_pid(rank: int, events: Path, launcher: int) -> int | None:
+    """The live process that holds ``rank`` now: the newest pid the event log gives the rank, else (at start-up,
+    before the first worker_state record) the child of the launcher spawned with RANK=rank (a warm spare has no
+    RANK in its environment until it is assigned, and then it appears in the event log)."""
+    kids = set(children_of(launcher))
+    pid = None
+    for record in read_events(events):
+        if record.get("event") == "worker_state" and record.get("rank") == rank and record.get("pid"):
+            pid = record["pid"] if record.get("state") not in ("exited", "failed") else None
+    if pid in kids:
+        return pid
+    for kid in sorted(kids):
+        env = environ_of(kid)
+        if env.get("RANK") == str(rank) and env.get("SWIFTRUN_SPARE", "0") != "1":
+            return kid
+    return None
+
+
+def wait_for_event(events: Path, name: str, after: float, proc: subprocess.Popen, deadline: float) -> dict | None:
+    """The first record ``name`` written after ``after`` seconds of the event log's clock, or None."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        for record in read_events(events):
+            if record.get("event") == name and record.get("t", 0) >= after:
+                return record
+        time.sleep(0.02)
+    return None
+
+
 def execute(cmd: list[str], marker: str, deadline: float, external: list[dict], expected: float,
-            log: Path) -> tuple[int | None, float, str, list[str]]:
+            log: Path, events: Path | None = None) -> tuple[int | None, float, str, list[str]]:
     """Run the launcher to completion (or the deadline); deliver external signals to random children of the
-    launcher at their times. Returns (exit code or None on a hang, seconds, output, notes)."""
+    launcher at their times, or to the process holding a rank (``"rank"``; ``"at_s"``: seconds after the start;
+    ``"after_event"``: as soon as the event log shows that record, ``"rank": "replayer"`` being the rank it names).
+    Returns (exit code or None on a hang, seconds, output, notes)."""
     env = dict(os.environ)
     env[MARKER] = marker
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -210,11 +285,44 @@ def execute(cmd: list[str], marker: str, deadline: float, external: list[dict], 
 
         def deliver() -> None:
             for item in sorted(external, key=lambda e: e["at"]):
-                due = started + item["at"] * expected
-                while time.monotonic() < due and proc.poll() is None:
-                    time.sleep(min(0.05, max(0.0, due - time.monotonic())))
+                if item.get("after_event"):
+                    record = wait_for_event(events, item["after_event"], 0.0, proc, started + deadline)
+                    if record is None:
+                        notes.append(f"{item['signal']} after {item['after_event']}: never seen")
+                        continue
+                    if item["rank"] == "replayer":
+                        item = dict(item, rank=record.get("rank"))
+                else:
+                    base = started
+                    if item.get("window") == "train":  # from the moment every rank runs its first step
+                        while proc.poll() is None and time.monotonic() < started + deadline:
+                            running = {r.get("rank") for r in read_events(events)
+                                       if r.get("event") == "worker_state" and r.get("state") == "running"}
+                            if len(running) >= item.get("world", 1):
+                                break
+                            time.sleep(0.02)
+                        base = time.monotonic()
+                    due = base + item.get("at_s", item["at"] * expected)
+                    while time.monotonic() < due and proc.poll() is None:
+                        time.sleep(min(0.02, max(0.0, due - time.monotonic())))
                 if proc.poll() is not None:
                     notes.append(f"{item['signal']} at {item['at']:.2f}: the job had already ended")
+                    continue
+                if "rank" in item:
+                    assert events is not None
+                    victim = rank_pid(item["rank"], events, proc.pid)
+                    while victim is None and proc.poll() is None and time.monotonic() < started + deadline:
+                        time.sleep(0.02)  # not spawned yet (the launcher is starting): as soon as it exists
+                        victim = rank_pid(item["rank"], events, proc.pid)
+                    if victim is None:
+                        notes.append(f"{item['signal']} rank {item['rank']}: no process holds it")
+                        continue
+                    try:
+                        os.kill(victim, getattr(signal, item["signal"]))
+                        notes.append(f"{item['signal']} rank {item['rank']} pid {victim} at "
+                                     f"{time.monotonic() - started:.2f}s")
+                    except (OSError, ProcessLookupError) as exc:
+                        notes.append(f"{item['signal']} rank {item['rank']} pid {victim}: {exc}")
                     continue
                 kids = children_of(proc.pid)
                 if not kids:
@@ -280,6 +388,7 @@ class Campaign:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.refs: dict[tuple[str, int], tuple[Path, float, list[dict]]] = {}
+        self.windows: dict[tuple[str, int], tuple[float, float]] = {}  # the reference's training steps, seconds
 
     def reference(self, config: str, world: int) -> tuple[Path, float, list[dict]] | None:
         key = (config, world)
@@ -303,7 +412,12 @@ class Campaign:
             else:
                 self.refs[key] = None  # type: ignore[assignment]
                 return None
-            print(f"reference {config} world {world}: {seconds:.1f}s", flush=True)
+            records = read_events(events)
+            first = [r["t"] for r in records if r.get("event") == "progress"]
+            last = [r["t"] for r in records if r.get("event") == "worker_state" and r.get("state") == "finishing"]
+            self.windows[key] = (min(first, default=0.0), max(last, default=seconds))
+            print(f"reference {config} world {world}: {seconds:.1f}s (training {self.windows[key][0]:.1f}s to "
+                  f"{self.windows[key][1]:.1f}s)", flush=True)
             self.refs[key] = (save, seconds, results)  # type: ignore[assignment]
         return self.refs[key]
 
@@ -321,8 +435,14 @@ class Campaign:
         marker = uuid.uuid4().hex
         deadline = max(self.args.deadline, 8 * ref_seconds)
         cmd = command(plan.config, plan.world, save, events, plan.faults, [], plan.script)
-        code, seconds, output, notes = execute(cmd,
-                                               marker, deadline, plan.external, ref_seconds, d / "output.log")
+        start, end = self.windows.get((plan.config, plan.world), (0.0, ref_seconds))
+        for item in plan.external:  # the kill's time in seconds, over the whole run or over its training steps
+            if item.get("window") == "train":  # counted from the moment every rank runs (execute)
+                item["at_s"], item["world"] = round(item["at"] * (end - start), 3), plan.world
+            elif item.get("window") == "run":
+                item["at_s"] = round(item["at"] * ref_seconds, 3)
+        code, seconds, output, notes = execute(cmd, marker, deadline, plan.external, ref_seconds,
+                                               d / "output.log", events)
         outcome.exit_code, outcome.seconds = code, round(seconds, 2)
         if notes:
             outcome.external = [dict(e, note=n) for e, n in zip(plan.external, notes)] + \
@@ -336,10 +456,19 @@ class Campaign:
         kill_all(marked(marker))
         records = read_events(events)
         outcome.recoveries = [{k: r.get(k) for k in ("generation", "outcome", "mode", "source_rank",
-                                                     "failed_ranks")}
+                                                     "failed_ranks", "undo")}
                               for r in records if r.get("event") == "recovery_end"]
         outcome.failures = sum(r.get("event") == "worker_failed" for r in records)
+        outcome.time_lost = round(seconds - ref_seconds, 2)
+        outcome.launcher_lost = next((r.get("time_lost") for r in records if r.get("event") == "job_end"), None)
         own = swiftrun_tracebacks(output)
+        changed = ""
+        if plan.config in PIPELINES:
+            changed = survivors_changed(records, killed_ranks(notes))
+            restarted = any(r.get("event") == "restart" for r in records)
+            outcome.survivors = "restart of every worker" if restarted else (changed or "kept")
+            if restarted:
+                changed = ""  # a restart replaces every worker by design (start-up, or a refusal)
 
         def verdict(kind: str, reason: str) -> Outcome:
             outcome.verdict, outcome.reason = kind, reason
@@ -352,6 +481,10 @@ class Campaign:
                            + "; ".join(leaked)[:200])
         if own:
             return verdict("BUG", "traceback from swiftrun's code: " + own[0])
+        if changed and code == 0:
+            return verdict("BUG", changed)
+        if plan.config in PIPELINES and not killed_ranks(notes) and code == 0:
+            return verdict("MISSED", "no kill was delivered (the job had ended)")
         if code != 0:
             if "is not one of" in output and "fault phase" in output:
                 return verdict("UNSUPPORTED", "this runtime does not know the fault phase")
@@ -378,22 +511,40 @@ class Campaign:
             slow = seconds > 2 * ref_seconds + 15  # e.g. a stopped spare holding up the shutdown
             return verdict("EXACT", f"(slow: {seconds:.0f}s, failure-free {ref_seconds:.0f}s)" if slow else "")
         outcome.differing = diff_keys[:12]
-        floats = [k for k in diff_keys if k in expected[0] and expected[0][k].is_floating_point()]
+        # a pipeline's ranks hold different keys (their stages): a key is judged on the ranks that have it
+        floats = [k for k in diff_keys if any(k in e and e[k].is_floating_point() for e in expected)]
         exact_only = [k for k in diff_keys if k not in floats]  # integers, RNG state, missing keys
         # relative to the kind's magnitude, not the tensor's own: a one-element tensor near zero (a bias's momentum)
         # would turn an undo's 1-ULP error into "2.3e-6" (seed 2 run 1; _common.kind_rel_diff)
-        worst = max((kind_rel_diff(results[r], expected[r], floats) for r in range(plan.world)), default=0.0)
+        worst = max((kind_rel_diff(results[r], expected[r], [k for k in floats if k in expected[r]])
+                     for r in range(plan.world)), default=0.0)
         outcome.max_rel_diff = worst
-        undone = any(rec.get("mode") == "undo" for rec in outcome.recoveries)
+        undone = any(rec.get("mode") == "undo" or rec.get("undo") for rec in outcome.recoveries)
         if undone and worst <= 1e-6 and not exact_only:
             return verdict("CLOSE", f"max rel diff {worst:.2e} after an undo")
         model_keys = [k for k in floats if k.startswith(("model.", "opt"))]
-        model_worst = max((kind_rel_diff(results[r], expected[r], model_keys) for r in range(plan.world)),
-                          default=0.0)
+        model_worst = max((kind_rel_diff(results[r], expected[r], [k for k in model_keys if k in expected[r]])
+                           for r in range(plan.world)), default=0.0)
         telling = sorted(exact_only + floats, key=lambda k: (k.startswith(("model.param.", "opt0.state.")), k))
         return verdict("BUG", f"exit 0 with a different state: {len(diff_keys)} keys differ, max rel diff "
                        f"{worst:.3g} over floats ({model_worst:.2g} over model/optimizer); "
                        + ", ".join(short(k) for k in telling[:6]))
+
+
+def killed_ranks(notes: list[str]) -> set[int]:
+    return {int(m.group(1)) for n in notes for m in [re.match(r"SIG\w+ rank (\d+) pid \d+ at", n)] if m}
+
+
+def survivors_changed(records: list[dict], killed: set[int]) -> str:
+    """'' when every rank that was not killed kept one process all along (from the event log's pids)."""
+    pids: dict[int, set[int]] = collections.defaultdict(set)
+    for r in records:
+        if r.get("event") == "worker_state" and r.get("rank") is not None and r.get("pid"):
+            pids[r["rank"]].add(r["pid"])
+    moved = {rank: sorted(p) for rank, p in pids.items() if rank not in killed and len(p) > 1}
+    if not moved:
+        return ""
+    return "survivor(s) changed process: " + "; ".join(f"rank {r}: pids {p}" for r, p in sorted(moved.items()))
 
 
 def short(key: str) -> str:
@@ -442,6 +593,26 @@ def draw(index: int, seed: int, configs: list[str], worlds: list[int], phases: t
     return plan
 
 
+def draw_pipeline(index: int, seed: int, configs: list[str], scenario: str) -> Plan:
+    """One outside SIGKILL of a rank at a uniformly random time (plus the scenario's second kill)."""
+    rng = random.Random(f"{seed}:{index}:pp")
+    config = rng.choice(configs)
+    plan = Plan(index, config, PP_WORLD, scenario=scenario)
+    window = "train" if scenario != "single" or rng.random() < 0.5 else "run"
+    at, rank = round(rng.uniform(0.0, 1.0), 3), rng.randrange(PP_WORLD)
+    if scenario == "replay-kill":
+        at = round(rng.uniform(0.05, 0.8), 3)  # early enough that the replay runs before the job ends
+    plan.external.append({"signal": "SIGKILL", "at": at, "rank": rank, "window": window})
+    if scenario == "replay-kill":
+        # as soon as the replay shows in the event log: the replaying rank itself, or any rank (a log server)
+        victim = "replayer" if rng.random() < 0.5 else rng.randrange(PP_WORLD)
+        plan.external.append({"signal": "SIGKILL", "at": at + 1e-3, "rank": victim, "after_event": "replay"})
+    elif scenario == "both-replicas":
+        stages = PP_WORLD // 2  # pp_dp2: rank r is stage r % 2 of replica r // 2
+        plan.external.append({"signal": "SIGKILL", "at": at, "rank": (rank + stages) % PP_WORLD, "window": window})
+    return plan
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=1)
@@ -454,12 +625,19 @@ def main() -> None:
     parser.add_argument("--external-share", type=float, default=0.3, help="share of external signals")
     parser.add_argument("--deadline", type=float, default=90.0, help="hard timeout of one run, seconds")
     parser.add_argument("--out", default="/tmp/swiftrun-campaign")
+    parser.add_argument("--pp-scenario", choices=SCENARIOS, default="single",
+                        help="pipelines: one kill, a second one during the replay, both replicas of a stage")
     args = parser.parse_args()
 
     configs = [c for c in args.scripts.split(",") if c]
     unknown = [c for c in configs if c not in SCRIPTS]
     if unknown:
         parser.error(f"unknown scripts: {unknown}")
+    pipelines = [c for c in configs if c in PIPELINES]
+    if pipelines and len(pipelines) != len(configs):
+        parser.error("pipelines (pp_*, p2p_*) and data-parallel scripts are drawn differently: run them apart")
+    if args.pp_scenario == "both-replicas" and pipelines != ["pp_dp2"]:
+        parser.error("--pp-scenario both-replicas needs --scripts pp_dp2")
     worlds = [int(w) for w in args.world.split(",")]
     accepted = runtime_phases()
     phases = tuple(p for p in args.phases.split(",") if p in accepted)
@@ -470,14 +648,25 @@ def main() -> None:
     campaign = Campaign(args)
     outcomes: list[Outcome] = []
     for index in indices:
-        plan = draw(index, args.seed, configs, worlds, phases, args.external_share)
+        if pipelines:
+            plan = draw_pipeline(index, args.seed, configs, args.pp_scenario)
+        else:
+            plan = draw(index, args.seed, configs, worlds, phases, args.external_share)
         outcome = campaign.run(plan)
         outcomes.append(outcome)
-        what = " ".join(plan.faults + [f"ext:{e['signal']}@{e['at']:.2f}" for e in plan.external]
-                        + [f"crash:{plan.script[1]}" for _ in plan.script[:1]])
+        if pipelines:
+            what = " ".join(f"kill:r{e['rank']}@" + (f"{e['after_event']}" if e.get("after_event")
+                                                      else f"{e['window']}{e['at']:.2f}") for e in plan.external)
+        else:
+            what = " ".join(plan.faults + [f"ext:{e['signal']}@{e['at']:.2f}" for e in plan.external]
+                            + [f"crash:{plan.script[1]}" for _ in plan.script[:1]])
         modes = ",".join(str(r.get("mode")) for r in outcome.recoveries) or "-"
+        extra = ""
+        if pipelines:
+            notes = "; ".join(e.get("note", "") for e in outcome.external)
+            extra = f" lost={outcome.time_lost}s survivors={outcome.survivors} [{notes}]"
         print(f"[{index:3d}] {plan.config:<16} w{plan.world} {what:<44} {outcome.verdict:<8} "
-              f"exit={outcome.exit_code} {outcome.seconds:5.1f}s rec={modes} {outcome.reason}", flush=True)
+              f"exit={outcome.exit_code} {outcome.seconds:5.1f}s rec={modes} {outcome.reason}{extra}", flush=True)
         (campaign.out / "results.json").write_text(json.dumps(
             {"seed": args.seed, "args": vars(args), "phases": list(phases), "runs": [asdict(o) for o in outcomes]},
             indent=1))
@@ -488,10 +677,21 @@ def main() -> None:
     table = collections.defaultdict(collections.Counter)
     for o in outcomes:
         table[o.config][o.verdict] += 1
-    classes = ["EXACT", "CLOSE", "REFUSED", "BUG", "UNSUPPORTED", "SKIPPED"]
+    classes = ["EXACT", "CLOSE", "REFUSED", "BUG", "UNSUPPORTED", "SKIPPED", "MISSED"]
     print(f"{'config':<18}" + "".join(f"{c:>12}" for c in classes))
     for config in sorted(table):
         print(f"{config:<18}" + "".join(f"{table[config][c]:>12}" for c in classes))
+    if pipelines:
+        print(f"\n{'config':<18}{'runs':>6}{'max rel diff':>14}{'lost: median':>14}{'max':>8}  survivors")
+        for config in sorted(table):
+            mine = [o for o in outcomes if o.config == config]
+            diffs = [o.max_rel_diff or 0.0 for o in mine if o.verdict in ("EXACT", "CLOSE")]
+            lost = sorted(o.time_lost for o in mine if o.time_lost is not None and o.verdict in ("EXACT", "CLOSE"))
+            kept = collections.Counter(o.survivors.split(":")[0] for o in mine)
+            print(f"{config:<18}{len(mine):>6}{max(diffs, default=0.0):>14.2e}"
+                  f"{(lost[len(lost) // 2] if lost else float('nan')):>13.1f}s"
+                  f"{(lost[-1] if lost else float('nan')):>7.1f}s  "
+                  + ", ".join(f"{k or '-'} {v}" for k, v in kept.items()))
     reasons = collections.Counter((o.verdict, re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", o.reason)[:150])
                                   for o in outcomes if o.verdict in ("BUG", "REFUSED"))
     if reasons:

@@ -54,7 +54,7 @@ class FaultSpec:
     """A fault the runtime injects into one rank (tests and demos only).
 
     ``phase`` is one of forward, backward, allreduce, step, scheduler, after-step, collective, save, recover,
-    transfer, help, exchange, import (see swiftrun/runtime/faults.py for where each fires);
+    transfer, help, exchange, import, connect (see swiftrun/runtime/faults.py for where each fires);
     ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil.
     ``every_incarnation`` makes replacements of that rank fail the same way (a deterministic crash).
     """
@@ -66,7 +66,7 @@ class FaultSpec:
     every_incarnation: bool = False
 
     PHASES = ("forward", "backward", "allreduce", "step", "scheduler", "after-step", "collective", "save",
-              "recover", "transfer", "help", "exchange", "import")
+              "recover", "transfer", "help", "exchange", "import", "connect")
     KINDS = ("sigkill", "exception", "exit", "sigstop", "segfault", "hang-gil")
 
     def __post_init__(self) -> None:

@@ -118,9 +118,17 @@ class Recovery:
     recover_sent_at: float | None = None
     mode: str | None = None
     source_rank: int | None = None
+    undo: tuple[int, ...] = ()  # ranks that undid an update (a pipeline replay may undo on other ranks too)
     done: bool = False
     total: float | None = None
     replay: str | None = None  # progress of a pipeline stage's replay, for the dashboard
+
+
+def _undone(before: tuple[int, ...], plan: Any) -> tuple[int, ...]:
+    """The ranks that undid an update in any generation of one recovery (a replay interrupted by a second
+    failure is planned again, and the second plan finds nothing left to undo)."""
+    more = (plan or {}).get("undo") or () if isinstance(plan, dict) else ()
+    return tuple(sorted(set(before) | {int(r) for r in more}))
 
 
 class Job:
@@ -280,6 +288,8 @@ class Job:
                 slot.recovery_data = dict(data)
                 if self._is_current(slot):
                     self._unrecovered.discard(slot.rank)
+                if self.recovery is not None:  # a newer generation's plan must not hide an earlier undo
+                    self.recovery.undo = _undone(self.recovery.undo, data.get("plan"))
             return self._advance_recovery(now)
         if kind is EventKind.UNRECOVERABLE:
             reason = str(data.get("reason", "no consistent state could be reached in place"))
@@ -827,6 +837,7 @@ class Job:
         if plans:
             rec.mode = plans[0].get("mode")
             rec.source_rank = plans[0].get("source")
+            rec.undo = _undone(rec.undo, plans[0])
         return actions
 
     def _end_phase(self, phase: RecoveryPhase, now: float) -> list[Action]:
@@ -849,7 +860,7 @@ class Job:
         self.recovery = None
         self._records.append(Record(EventName.RECOVERY_END, {
             "generation": rec.generation, "outcome": outcome, "mode": rec.mode, "source_rank": rec.source_rank,
-            "total": rec.total, "failed_ranks": list(rec.failed_ranks),
+            "total": rec.total, "failed_ranks": list(rec.failed_ranks), "undo": list(rec.undo),
         }))
 
     def drain_records(self) -> list[Action]:

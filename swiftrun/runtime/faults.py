@@ -9,7 +9,8 @@ after the training loop the step is the number of steps, so ``R:TOTAL:save:K`` i
 file), recover (this rank is in the middle of an in-place recovery), transfer (the source of a state transfer,
 after its first chunk), help (a survivor helping a parallel replay, before it computes its micro-batches of
 the replayed step STEP), exchange (a pipeline rank's background stage checkpoint exchange of step STEP,
-before any of its checkpoint was sent), import (before the script runs). A fault fires once, in the first
+before any of its checkpoint was sent), import (before the script runs), connect (every rank registered
+``swiftrun.Run``; this one is about to build its first process group: its peers wait in the store for it). A fault fires once, in the first
 incarnation of its rank, unless ``every`` makes each replacement fail the same way. The scheduler and save points are hooked only
 when a fault is planned there, so a run without faults runs unpatched code.
 """

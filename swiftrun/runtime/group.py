@@ -71,10 +71,13 @@ class GroupManager:
         self.generation = -1
         self._store: dist.Store | None = None
 
-    def store(self) -> dist.Store:
-        if self._store is None:
-            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            self._store = dist.TCPStore(addr, port, self.world_size, is_master=False, timeout=timedelta(seconds=60))
+    def _connect_store(self) -> dist.Store:
+        """A store client of this generation's own. Building the group waits in the store for every peer's
+        address; a peer that died before it published its own would hold that wait for the whole connect timeout
+        (30 s measured, fault campaign). The client's connection is aborted with the generation's group, which
+        releases the wait at once (a shut-down store connection fails the pending get: measured, torch 2.13)."""
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self._store = dist.TCPStore(addr, port, self.world_size, is_master=False, timeout=timedelta(seconds=60))
         return self._store
 
     def build(self, generation: int, connect_timeout: float) -> None:
@@ -83,8 +86,19 @@ class GroupManager:
             if generation < self._aborted_below:
                 raise RuntimeError(f"generation {generation} was aborted before its group was built")
         self.destroy()
-        store = self.store()  # before the snapshot: the store's own connection must never be shut down
+        # torch names the default group after a counter that only destroy_process_group() resets; a build that
+        # failed (a peer died before it connected: the store wait timed out) took name "0" without a group to
+        # destroy, so this rank's next group would be "1" while a replacement's is "0": each would wait for the
+        # other's keys in the store until the connect timeout (fault campaign, a kill right after start-up)
+        if hasattr(dist.distributed_c10d, "_world"):
+            dist.distributed_c10d._world.group_count = 0
         before = _connected_tcp_sockets()
+        store = self._connect_store()
+        with self._lock:  # an abort from now on releases the store wait too
+            self._sockets = [(fd, ino) for fd, ino in _connected_tcp_sockets().items() if before.get(fd) != ino]
+            aborted = generation < self._aborted_below
+        if aborted:
+            raise RuntimeError(f"generation {generation} was aborted before its group was built")
         prefixed = dist.PrefixStore(STORE_PREFIX.format(generation=generation), store)
         kwargs: dict[str, Any] = {}
         if self.device_id is not None:

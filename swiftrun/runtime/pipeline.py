@@ -474,6 +474,11 @@ class Pipeline:
             return
         if hasattr(schedule, "_internal_losses"):
             schedule._internal_losses.clear()
+        for pending in ("fwd_recv_ops", "bwd_recv_ops"):
+            # the runtime schedule (interleaved) keeps the receives it posted until the micro-batch's forward or
+            # backward runs, across steps: an aborted step's would fail the next with "Recv twice"
+            if isinstance(getattr(schedule, pending, None), dict):
+                getattr(schedule, pending).clear()
         n = schedule._n_microbatches
         has_backward = schedule._has_backward
         single = hasattr(schedule, "_stage_forward_initialized")

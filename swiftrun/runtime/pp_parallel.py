@@ -16,6 +16,14 @@ an offer: the stage module and loss function (pickled: the helpers run the same 
 or ``None`` when its stage cannot be split (not a GPipe or 1F1B schedule of one stage, a DDP/FSDP-wrapped or
 ``dw_builder`` stage, something that does not pickle); then it replays alone, said in a log line.
 
+A helper computes its range from the step's start, so the stage must be a function of its parameters, inputs and
+the seeded generators. Two things break that and are handled: what the script changes between steps (a step
+counter a module reads) travels, since each step's work carries the pickled module itself, not only its state
+dict; what a *forward* changes (a buffer such as BatchNorm's running statistics, a call counter, a generator of
+the module's own) would make helper k start from the step's start instead of from where micro-batch k-1 left it.
+The replacement checks its first micro-batch's forward for such a change (:func:`side_state`) before it hands out
+any work; on one it releases the helpers and replays alone (said in a log line): slower, never a wrong model.
+
 The replacement's schedule keeps its public behaviour: ``_step_microbatches`` (what ``step()`` calls with the
 split micro-batches) is replaced on that instance for the replay only; losses and last-stage outputs of the
 helpers' micro-batches are handed back so ``step(losses=...)`` and the merged output are complete. All traffic
@@ -215,6 +223,62 @@ def seeded(generators: list[torch.Generator], seed: int) -> Iterator[None]:
             g.set_state(saved)
 
 
+# ---------------------------------------------------------------------- a forward's side effects
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """A comparable copy of a plain attribute value (None when it is not plain: not compared)."""
+    if isinstance(value, _PLAIN):
+        return ("v", value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+        return ("v", tuple(value))
+    if isinstance(value, torch.Generator):
+        return ("g", value.get_state())
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return ("t", value.detach().clone())
+    return None
+
+
+def side_state(module: torch.nn.Module) -> dict:
+    """What a forward may change besides its output: every buffer, the plain attributes (numbers, strings, tuples
+    of them), tensors and generators of every submodule, and those of the plain objects they hold (a script's
+    clock or counter object), one level deep."""
+    out: dict = {}
+    for name, sub in module.named_modules():
+        for bname, buf in sub.named_buffers(recurse=False):
+            out[(name, "buffer", bname)] = ("t", buf.detach().clone())
+        for attr, value in vars(sub).items():
+            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules") or attr.endswith("hooks"):
+                continue
+            snap = _plain(value)
+            if snap is not None:
+                out[(name, attr)] = snap
+            elif not isinstance(value, (torch.nn.Module, dict)) and hasattr(value, "__dict__"):
+                for inner, v in vars(value).items():
+                    snap = _plain(v)
+                    if snap is not None:
+                        out[(name, attr, inner)] = snap
+    return out
+
+
+def changed_by(before: dict, after: dict) -> list[str]:
+    """The entries of two :func:`side_state` snapshots that differ."""
+    diff = []
+    for key in sorted(set(before) | set(after), key=str):
+        a, b = before.get(key), after.get(key)
+        if a is None or b is None or a[0] != b[0]:
+            diff.append(".".join(map(str, key)))
+        elif a[0] in ("t", "g"):
+            if a[1].shape != b[1].shape or a[1].dtype != b[1].dtype or not torch.equal(a[1], b[1]):
+                diff.append(".".join(map(str, key)))
+        elif a[1] != b[1]:
+            diff.append(".".join(map(str, key)))
+    return diff
+
+
 # ---------------------------------------------------------------------- the replacement's side
 
 
@@ -279,6 +343,7 @@ class Leader:
         self.schedule, self.stage = pp.schedule, pp.stages[0]
         self.device = pp.rec.group.device()
         self.schedule._step_microbatches = self._step_microbatches  # this instance, for the replay only
+        self.checked = False  # the first micro-batch's forward was checked for side effects
 
     @property
     def helpers(self) -> list[int]:
@@ -319,29 +384,70 @@ class Leader:
                 stage.get_bwd_recv_ops(i)
                 entry["grads"] = _cpu(tuple(stage._retrieve_recv_grads(i)))
             mbs[i] = entry
-        return {"step": self.pp.rec.step, "state": _cpu(self.stage.submod.state_dict()), "mbs": mbs,
+        # the module itself, not only its state dict: what the script changed on it since (a step counter a
+        # forward reads) must be what the helper's copy sees
+        return {"step": self.pp.rec.step, "module": to_bytes(self.stage.submod), "mbs": mbs,
                 "loss_kwargs": loss_kwargs}
+
+    def _forward(self, i: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None, loss_kwargs: dict | None,
+                 return_outputs: bool) -> None:
+        schedule, stage = self.schedule, self.stage
+        stage.get_fwd_recv_ops(i)
+        output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
+        schedule._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
+        stage.get_fwd_send_ops(i)
+
+    def _backward(self, i: int) -> None:
+        stage = self.stage
+        stage.get_bwd_recv_ops(i)
+        stage.backward_one_chunk(i, loss=self.schedule._maybe_get_loss(stage, i), last_backward=False)
+        stage.get_bwd_send_ops(i)
+
+    def _first_forward_is_pure(self, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
+                               loss_kwargs: dict | None, return_outputs: bool) -> bool:
+        """Run micro-batch 0's forward; False (helpers released, the replay goes on alone) when it changed the
+        module's side state: a helper would start its range from the wrong one."""
+        self.checked = True
+        before = side_state(self.stage.submod)
+        self._forward(0, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
+        changed = changed_by(before, side_state(self.stage.submod))
+        if not changed:
+            return True
+        log.info("rank %d replays its stage alone: its forward changes %s (a helper would not see the change made "
+                 "by the micro-batches before its range)", self.pp.rec.rank, ", ".join(changed[:4]))
+        self.close()
+        self.pp.parallel = None
+        return False
 
     def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                            target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
                            loss_kwargs: dict | None = None) -> None:
         schedule, stage = self.schedule, self.stage
         arg_mbs, kwarg_mbs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        lo, hi = self.parts[0]
+        done = lo
+        if not self.checked:
+            done = lo + 1
+            if not self._first_forward_is_pure(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs):
+                # this step alone, in micro-batch order: forwards, then backwards (gradients accumulate in
+                # micro-batch order, as in every schedule); later steps run the schedule's own code again
+                n = schedule._n_microbatches
+                for i in range(done, n):
+                    self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
+                for i in range(n):
+                    self._backward(i)
+                schedule._update_losses(stage, losses)
+                stage.perform_reduce_grad(n if schedule.scale_grads else 1)
+                return
         with collectives.internal():
             pending = []
-            for helper, (lo, hi) in zip(self.helpers, self.parts[1:]):
-                pending += _send(self._work(lo, hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
+            for helper, (h_lo, h_hi) in zip(self.helpers, self.parts[1:]):
+                pending += _send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
                                  self.device)
-        lo, hi = self.parts[0]
-        for i in range(lo, hi):  # this rank's range, as the schedule would (backward in micro-batch order)
-            stage.get_fwd_recv_ops(i)
-            output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
-            schedule._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
-            stage.get_fwd_send_ops(i)
+        for i in range(done, hi):  # this rank's range, as the schedule would (backward in micro-batch order)
+            self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
         for i in range(lo, hi):
-            stage.get_bwd_recv_ops(i)
-            stage.backward_one_chunk(i, loss=schedule._maybe_get_loss(stage, i), last_backward=False)
-            stage.get_bwd_send_ops(i)
+            self._backward(i)
         params = list(stage.submod.parameters())
         with collectives.internal():
             _wait(pending)
@@ -391,7 +497,9 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
                 return steps
             faults.fire("help", work["step"])
             started = time.perf_counter()
-            module.load_state_dict(work["state"])
+            module = torch.load(io.BytesIO(work["module"].cpu().numpy().tobytes()), weights_only=False,
+                                map_location=device)
+            params = list(module.parameters())
             per_mb: list[list[torch.Tensor | None]] = []
             losses, outputs = [], []
             for i in sorted(work["mbs"]):

@@ -86,7 +86,7 @@ class PipePlan:
         return {"point": self.point, "mode": self.mode, "undo": list(self.undo),
                 "copies": [[s, list(t)] for s, t in self.copies],
                 "replays": [{"ranks": list(r.ranks), "from": r.start, "to": self.point} for r in self.replays],
-                "source": self.copies[0][0] if self.copies else None,
+                "notes": list(self.notes), "source": self.copies[0][0] if self.copies else None,
                 "targets": sorted({t for _, ts in self.copies for t in ts} | {m for r in self.replays
                                                                              for m in r.ranks})}
 
@@ -127,9 +127,24 @@ def plan_pipeline(statuses: list[StageStatus], groups: tuple[tuple[int, ...], ..
                 f"every replica of stage(s) {list(stages)} was lost together: replaying several replicas of a "
                 "stage is not supported")
         lost.append(members[0].rank)
+    notes: list[str] = []
+    if point < 0:
+        # nothing was trained: a replacement's own state is the stage's initial state (the script built it with
+        # the same seed), and before the first step's checkpoint exchange nobody holds a copy to replay from
+        fresh = [r for r in lost if not _has_checkpoint(r, by_rank)]
+        lost = [r for r in lost if r not in fresh]
+        if fresh:
+            notes.append(f"rank(s) {', '.join(map(str, fresh))} start from the script's initial state: no step "
+                         "was trained")
     sets = _replay_sets(lost, by_rank, groups)
     replays = tuple(_replay(members, by_rank, point) for members in sets)
-    return PipePlan(point, tuple(undo), tuple(copies), replays, verify_next=any(s.outside_step for s in statuses))
+    return PipePlan(point, tuple(undo), tuple(copies), replays, tuple(notes),
+                    verify_next=any(s.outside_step for s in statuses))
+
+
+def _has_checkpoint(rank: int, by_rank: dict[int, StageStatus]) -> bool:
+    return by_rank[rank].disk_step >= 0 or any(s.held_for == rank and s.valid and s.held_step >= 0
+                                               for s in by_rank.values())
 
 
 def _group_of(rank: int, by_rank: dict[int, StageStatus], groups: tuple[tuple[int, ...], ...] | None) -> set[int]:

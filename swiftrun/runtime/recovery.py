@@ -117,6 +117,7 @@ class Recovery:
         self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self._aborted())
         if not self._aborted():
             try:
+                faults.fire("connect", 0)
                 with collectives.internal():
                     self.group.build(self.generation, self._connect_timeout())
                 if self.pipeline is not None:
@@ -363,17 +364,15 @@ class Recovery:
         t = time.monotonic()
         device = self.group.device()
         own_rng = self.txn.rng_for(plan.point + 1)
-        layouts = [ddp_tools.next_layout(d, o, plan.point) for d, o in zip(self.reg.ddps, self._orders)]
+        layouts = self._next_layouts(plan.point)
         for source, targets in plan.copies:  # every rank creates every group, in the same order
             members = sorted({source, *targets})
             group = self.group.new_group(members)
             if self.rank in members:
                 st.transfer(self.reg, source, self.rank, group, device, self.chunk_bytes)
-                box: list[Any] = [{"rng": own_rng or rng_state(), "layouts": layouts}]
-                dist.broadcast_object_list(box, src=source, group=group,
-                                           device=device if device.type == "cuda" else None)
+                shared = self._from_source(source, plan.point, group)
                 if self.rank != source:
-                    own_rng, layouts = box[0]["rng"], box[0]["layouts"]
+                    own_rng, layouts = shared["rng"], shared["layouts"]
         for ddp, layout in zip(self.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
             rebind(ddp, layout)
         replaying = hand_over(pp, plan)
@@ -466,17 +465,28 @@ class Recovery:
         statuses = [RankStatus.unpack(row.tolist()) for row in rows]
         return plan_recovery(statuses, self.mode)
 
+    def _next_layouts(self, point: int) -> list:
+        """The bucket layout each DDP wrapper must be rebound with to redo step ``point + 1`` (ddp.next_layout)."""
+        return [ddp_tools.next_layout(d, o, point) for d, o in zip(self.reg.ddps, self._orders)]
+
+    def _from_source(self, source: int, point: int, group: Any = None) -> dict:
+        """What a recovery's receivers take from its source besides the bulk state, broadcast over ``group``
+        (None: every rank): the DDP bucket layouts to rebind with and the RNG state of the step to redo (the
+        source's snapshot of that step's start, else its current streams). Data parallelism sends it to every
+        rank, a pipeline to the replicas of one stage."""
+        device = self.group.device()
+        box: list[Any] = [None]
+        if self.rank == source:
+            box[0] = {"layouts": self._next_layouts(point), "rng": self.txn.rng_for(point + 1) or rng_state()}
+        dist.broadcast_object_list(box, src=source, group=group, device=device if device.type == "cuda" else None)
+        return box[0]
+
     def _transfer(self, plan: Plan) -> None:
         device = self.group.device()
         # every rank needs the source's bucket layouts and the RNG of the step to redo; the bulk state only
         # goes to the targets
         own_rng = self.txn.rng_for(plan.point + 1)
-        box: list[Any] = [None]
-        if self.rank == plan.source:
-            layouts = [ddp_tools.next_layout(d, o, plan.point) for d, o in zip(self.reg.ddps, self._orders)]
-            box[0] = {"layouts": layouts, "rng": own_rng or rng_state()}
-        dist.broadcast_object_list(box, src=plan.source, device=device if device.type == "cuda" else None)
-        shared = box[0]
+        shared = self._from_source(plan.source, plan.point)
         if plan.targets:
             members = sorted({plan.source, *plan.targets})
             group = None if len(members) == self.world_size else self.group.new_group(members)

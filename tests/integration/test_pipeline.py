@@ -137,6 +137,42 @@ def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended
+def test_survivors_that_undo_the_interrupted_step_end_bitwise_with_exact_undo(tmp_path, reference):
+    """GPipe, the first stage killed in its backward: the last two stages already applied that step's update, the
+    second did not (its gradient send to the dead rank failed). The replay ends at the step before, so stages 2 and
+    3 undo their update (recovery_end's ``undo``); an inverted AdamW step is a few ULP off (the campaign saw
+    1-2e-7 relative on every rank, classed CLOSE), --exact-undo puts back a pre-step copy: bitwise."""
+    ref = reference(("--schedule", "gpipe"))
+    proc = run(launch(tmp_path, "--exact-undo", "--fault", "0:6:backward:sigkill", script=("--schedule", "gpipe")),
+               marker="pp-undo", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")] and ended[0]["undo"], ended
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
+def test_rank_lost_while_the_first_group_connects(tmp_path, reference):
+    """Every rank registered; rank 1 dies before it builds the first process group, so the others' build fails
+    when the store wait times out. That failed build used up torch's name for the default group: without a reset
+    the survivors' next group had another name than the replacement's and both waited for each other's keys until
+    the connect timeout, then the job stopped (fault campaign, a kill 0.1 s after start-up). Now the recovery goes
+    through: nothing was trained yet, so the replacement starts from its own initial state, no replay. And the
+    survivors' wait in the store for the dead rank's address is released by the abort, not by the 30 s connect
+    timeout (the generation's store connection is aborted with its group)."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--fault", "1:0:connect:sigkill"), marker="pp-connect", timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [r["outcome"] for r in ended] == ["recovered"], ended
+    (abort,) = [r for r in records(tmp_path) if r["event"] == "recovery_phase" and r["phase"] == "abort"]
+    assert abort["duration"] < 15, abort  # 30 s (the connect timeout) before
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, 1).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
 def test_two_adjacent_stages_lost_is_refused_loudly(tmp_path):
     """Stages 1 and 2 die together: stage 1's gradients were logged only by stage 2. No silent replay: the job
     stops (no --max-restarts) naming the reason."""

@@ -8,6 +8,7 @@ a few seconds (every rank imports torch), so runs are short and shared between t
 
 from __future__ import annotations
 
+import json
 import sys
 import uuid
 from pathlib import Path
@@ -155,3 +156,38 @@ def test_swiftrun_replays_a_killed_interleaved_rank_to_torchruns_result(pp_runs,
                         "--ckpt-every", "2", "--save-dir", str(save)), marker)
     assert '"event":"replay"' in events.read_text()
     assert_equal_nested(load(reference), load(save), "rank files")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.extended  # a 4-rank run; tests/unit/test_pp_parallel.py covers the side-effect check in the default suite
+def test_swiftrun_replays_a_killed_stage_whose_dropout_counts_forwards(pp_runs, tmp_path, marker):
+    """4 stages, 1F1B, rank 1 SIGKILLed: its replacement is offered the three idle survivors as helpers, but the
+    script's dropout derives its mask from the number of forwards run in the step (a counter the module changes),
+    which a helper starting at micro-batch k cannot know. The first forward's side effect is seen and the stage is
+    replayed alone: bitwise torchrun's result (the fault campaign found a 2-5% different model before)."""
+    reference = pp_runs("torchrun4", "--schedule", "1f1b")
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                        "--fault", "1:5:forward:sigkill", str(TRAIN_PP), *COMMON, "--schedule", "1f1b",
+                        "--ckpt-every", "4", "--save-dir", str(save)), marker)
+    replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
+    assert replays and replays[0]["helpers"] == [0, 2, 3], replays
+    assert_equal_nested(load(reference), load(save), "rank files")
+
+
+@pytest.mark.timeout(300)
+def test_swiftrun_recovers_interleaved_4_ranks_from_a_kill_in_step_1(pp_runs, tmp_path, marker):
+    """Interleaved 1F1B on 4 ranks (8 virtual stages), rank 3 SIGKILLed in step 1's forward. torch's runtime
+    schedule keeps the receives it posted for a micro-batch until its forward or backward runs, across steps: the
+    aborted step left some behind and a survivor failed the next step with "Recv twice ... without executing
+    forward" (fault campaign, pp_interleaved run 0), so survivors were replaced one after the other. The recovery
+    clears them: no survivor is replaced, and the model is bitwise the single process's."""
+    single = pp_runs("single", "--layers", "8")
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--event-log", str(events),
+                        "--fault", "3:1:forward:sigkill", str(TRAIN_PP), *COMMON, "--layers", "8",
+                        "--schedule", "interleaved", "--ckpt-every", "2", "--save-dir", str(save)), marker)
+    failed = [json.loads(line)["rank"] for line in events.read_text().splitlines() if '"worker_failed"' in line]
+    assert failed == [3], failed
+    reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
+    assert_equal_nested(merged_model(save), reference, "model")

@@ -729,7 +729,7 @@ def test_a_recovery_is_recorded_from_start_through_its_phases_to_its_end():
     _all_ready(sim, [new], [0, 2])
     sim.advance(0.25)
     data = {"phases": {"rebuild": 0.01, "consensus": 0.002, "undo": 0.0, "transfer": 0.2},
-            "plan": {"mode": "roll-forward", "source": 0}}
+            "plan": {"mode": "roll-forward", "source": 0, "undo": [2]}}
     sim.event(0, EventKind.RECOVERED, **data)
     sim.event(2, EventKind.RECOVERED, **{**data, "phases": {**data["phases"], "transfer": 0.1}})
 
@@ -747,6 +747,7 @@ def test_a_recovery_is_recorded_from_start_through_its_phases_to_its_end():
     assert end.fields["outcome"] == "recovered" and end.fields["generation"] == 1
     assert end.fields["failed_ranks"] == [1]
     assert end.fields["mode"] == "roll-forward" and end.fields["source_rank"] == 0
+    assert end.fields["undo"] == [2]  # a pipeline replay's mode is "replay", even where survivors undid a step
     assert end.fields["total"] == pytest.approx(sim.now - t_fail)
     assert sim.job.time_lost == pytest.approx(0.75)
     assert sim.job.last_recovery.phase_duration[RecoveryPhase.TRANSFER] == 0.3
@@ -1480,3 +1481,13 @@ def test_the_recovery_and_release_barriers_are_kept_per_event_for_the_current_sl
     assert sends(sim.event(0, EventKind.FINISHING) + sim.event(2, EventKind.FINISHING), CommandKind.RELEASE) == []
     assert sim.job._unfinished == {1}
     assert len(sends(sim.event(new, EventKind.FINISHING), CommandKind.RELEASE)) == 3
+
+
+def test_undo_of_an_earlier_generation_is_kept_in_the_recovery_record():
+    """A replay interrupted by a second failure is planned again; that plan finds nothing left to undo, but the
+    recovery_end must still say who undid an update (pipeline campaign, replay-kill run 2)."""
+    from swiftrun.launcher.job import _undone
+
+    assert _undone((), {"mode": "replay", "undo": [3, 2]}) == (2, 3)
+    assert _undone((2, 3), {"mode": "replay", "undo": []}) == (2, 3)
+    assert _undone((2,), None) == (2,)

@@ -83,3 +83,43 @@ def test_fold_along_a_chain_is_bitwise_autograd_accumulation():
                                      [_grads_of_one(_stage(), xs[mb], gs[mb], mb) for mb in range(lo, hi)]))
     added = [sums[0][j] + sums[1][j] + sums[2][j] for j in range(len(want))]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(added, want))
+
+
+class _Counting(nn.Module):
+    """A forward with a side effect a helper cannot reproduce: the mask depends on how many forwards ran."""
+
+    def __init__(self, clock: object) -> None:
+        super().__init__()
+        self.lin, self.calls, self.clock = nn.Linear(4, 4), 0, clock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.step = 0
+
+
+def test_side_state_sees_what_a_forward_changes():
+    """A stage whose forward changes a counter, a buffer (BatchNorm's running statistics) or a generator of its own
+    cannot be split between helpers; a plain stage with dropout can (campaign seed 1, train_pp.py's dropout)."""
+    x = torch.randn(3, 4)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    before = pp_parallel.side_state(plain)
+    plain(x)
+    assert pp_parallel.changed_by(before, pp_parallel.side_state(plain)) == []
+
+    counting = _Counting(_Clock())
+    before = pp_parallel.side_state(counting)
+    counting(x)
+    assert pp_parallel.changed_by(before, pp_parallel.side_state(counting)) == [".calls"]
+    counting.clock.step = 5  # the script's clock object, held by the module: its attributes are seen too
+    assert pp_parallel.changed_by(before, pp_parallel.side_state(counting)) == [".calls", ".clock.step"]
+
+    norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    before = pp_parallel.side_state(norm)
+    norm(x)
+    assert {"1.buffer.running_mean", "1.buffer.running_var", "1.buffer.num_batches_tracked"} <= \
+        set(pp_parallel.changed_by(before, pp_parallel.side_state(norm)))

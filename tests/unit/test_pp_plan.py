@@ -156,3 +156,19 @@ def test_a_lone_replay_takes_the_holders_newest_checkpoint_and_refuses_disjoint_
     with pytest.raises(RecoveryError, match="different steps"):
         plan_pipeline([status(0), status(1), status(2, valid=False),
                        replace(status(3, own_step=8, held_step=4), own_prev_step=6)], groups)
+
+
+def test_a_stage_lost_before_the_first_checkpoint_starts_from_its_initial_state():
+    """A rank lost after start-up but before the first step's checkpoint exchange (found by the fault campaign):
+    nothing was trained, so its replacement keeps the state the script built; no replay, no refusal."""
+    fresh = [status(r, updates=-1, held_for=-1, held_step=-1) for r in PIPE]
+    plan = plan_pipeline([*fresh[:2], status(2, valid=False, updates=-1, held_for=-1, held_step=-1), fresh[3]])
+    assert (plan.point, plan.replays, plan.copies, plan.undo) == (-1, (), (), ())
+    assert "rank(s) 2 start from the script's initial state" in plan.notes[0]
+    # once a checkpoint of step 0 exists (killed during step 0), it is installed as usual
+    held = [status(r, updates=-1, held_step=0) for r in PIPE]
+    plan = plan_pipeline([*held[:2], status(2, valid=False, updates=-1), held[3]])
+    assert [(r.ranks, r.start) for r in plan.replays] == [((2,), 0)]
+    # and a stage lost after training began still needs its checkpoint
+    with pytest.raises(RecoveryError, match="lost with the rank that held it"):
+        plan_pipeline([status(0), status(1), status(2, valid=False, held_for=-1), status(3, held_for=-1)])
