@@ -273,14 +273,7 @@ class Agent:
         stopped = set()
         for slot_id in slot_ids:
             proc = self.procs.get(slot_id)
-            if proc is None or not proc.alive:
-                continue
-            try:
-                with open(f"/proc/{proc.pid}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state in (b"T", b"t"):
+            if proc is not None and proc.alive and procs.is_stopped(proc.pid):
                 stopped.add(slot_id)
         return frozenset(stopped)
 

@@ -132,6 +132,16 @@ class WorkerProcess:
         self.opened_files.clear()
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether the kernel reports ``pid`` as stopped (state T: SIGSTOP, a debugger); False if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
+
+
 def adopt(pid: int, stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> WorkerProcess:
     """Watch a worker the zygote forked (already our child through the subreaper)."""
     return WorkerProcess(popen=_Adopted(pid), pidfd=_pidfd(pid), stdout=stdout, stderr=stderr, forked=True)

@@ -21,11 +21,13 @@ import time
 from dataclasses import dataclass
 
 from swiftrun.errors import ProtocolError
+from swiftrun.launcher.procs import is_stopped
 from swiftrun.runtime import zygote_wire as wire
 from swiftrun.runtime.zygote_wire import ZygoteKind
 
 PR_SET_CHILD_SUBREAPER = 36
 FORK_ANSWER_TIMEOUT = 10.0  # seconds a warm zygote may take to answer a FORK before it counts as hung
+STOPPED_CHECK = 1.0  # seconds between checks, while a FORK waits, that the zygote is not stopped (SIGSTOP)
 
 
 class ZygoteState(str, enum.Enum):
@@ -164,6 +166,10 @@ class ZygoteClient:
         """Why the zygote counts as hung, or None: a warm one answers a FORK within seconds."""
         if not self.pending:
             return None
+        # a stopped zygote answers nothing until SIGCONT: waiting for it would hold a replacement (or the end of
+        # the job, for a spare being stopped) for the whole start-up timeout (fault campaign, SIGSTOP at start-up)
+        if self.popen is not None and is_stopped(self.popen.pid):
+            return "stopped (state T, e.g. SIGSTOP)"
         oldest = min(self.pending.values())
         if self.state is ZygoteState.WARM and now - oldest > FORK_ANSWER_TIMEOUT:
             return f"no answer to a fork request for {now - oldest:.1f}s"
@@ -176,8 +182,10 @@ class ZygoteClient:
         if not self.pending:
             return None
         if self.state is ZygoteState.WARMING:
-            return self.started_at + startup_timeout
-        return min(self.pending.values()) + FORK_ANSWER_TIMEOUT
+            deadline = self.started_at + startup_timeout
+        else:
+            deadline = min(self.pending.values()) + FORK_ANSWER_TIMEOUT
+        return min(deadline, time.monotonic() + STOPPED_CHECK)
 
     def fail(self, reason: str) -> list[int]:
         """Stop using the zygote (kill it); returns the slots whose FORK was never answered."""
