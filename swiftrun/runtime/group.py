@@ -6,8 +6,9 @@ Facts this design rests on (measured on torch 2.13, gloo, CPU; see docs/ARCHITEC
   its ring neighbour: that rank waits for the full group timeout. What does release it at once is shutting down
   the group's TCP connections: gloo's pair sees "Connection closed" and fails the pending operation, and every
   collective issued on that group afterwards fails immediately instead of hanging.
-- Except a *send* in flight: a ring all-reduce blocked in gloo's ``UnboundBuffer::waitSend`` when its connection
-  is shut down was seen to wait on (gdb, session 4's "deaf survivor"), bounded only by the collective timeout.
+- Except, rarely, a *send*: a ring all-reduce was seen blocked in gloo's ``UnboundBuffer::waitSend`` after its
+  connections were shut down (gdb, session 4's "deaf survivor"), bounded only by the collective timeout; a send
+  pending before the shutdown, or posted after it, is released (measured), so it is a race inside gloo.
   Not handled yet (docs/ARCHITECTURE.md, "Control protocol"): the launcher replaces such a rank after
   ``--recovery-timeout``.
 - Shutting down gloo's *listening* socket kills the process (an enforce in gloo's listener thread), so only
