@@ -51,6 +51,13 @@ SETUP_GRACE = 15.0  # seconds of silence tolerated while a worker imports and se
 # (process groups destroyed, threads joined, atexit handlers) took 4-7 s on 2 loaded cores. Bounded, so a worker
 # that hangs in exit is still ended.
 EXIT_GRACE = 60.0
+# seconds between repeats of the recovery command a rank has not answered yet (ABORT until ABORTED/JOINING, RECOVER
+# until RECOVERED). Every message is sent once and the sends are non-blocking (a full queue or a reconnecting TCP
+# link between nodes drops it), so without repeats one lost ABORT, ABORTED, RECOVER or RECOVERED stalled the
+# recovery for --recovery-timeout and cost a healthy rank. Commands are level-triggered and a worker answers a
+# repeat it has already answered by repeating its answer (runtime/link.py), so repeats are harmless; only ranks
+# that owe an answer get them, so a recovery costs O(unanswered ranks) more messages per interval.
+RESEND_INTERVAL = 2.0
 
 LIVE = {
     WorkerState.STARTING,
@@ -116,6 +123,8 @@ class Recovery:
     phase_start: dict[RecoveryPhase, float] = field(default_factory=dict)
     phase_duration: dict[RecoveryPhase, float] = field(default_factory=dict)
     recover_sent_at: float | None = None
+    recover_args: dict[str, Any] = field(default_factory=dict)
+    resend_at: float = 0.0  # when the command still owed an answer goes again (RESEND_INTERVAL)
     mode: str | None = None
     source_rank: int | None = None
     undo: tuple[int, ...] = ()  # ranks that undid an update (a pipeline replay may undo on other ranks too)
@@ -439,6 +448,23 @@ class Job:
             laggards = self._recovery_laggards(now)
             if laggards:
                 actions += self._on_failures(laggards, now, detect=0.0)
+        return actions + self._resend_unanswered(now)
+
+    def _resend_unanswered(self, now: float) -> list[Action]:
+        """The current recovery command again, to the ranks that still owe its answer (see RESEND_INTERVAL)."""
+        rec = self.recovery
+        if rec is None or self.state is not JobState.RECOVERING or now < rec.resend_at:
+            return []
+        rec.resend_at = now + RESEND_INTERVAL
+        if rec.recover_sent_at is None:
+            kind, args, owing = CommandKind.ABORT, {}, self._unready_survivors | self._unready_replacements
+        else:
+            kind, args, owing = CommandKind.RECOVER, rec.recover_args, self._unrecovered
+        actions: list[Action] = []
+        for rank in sorted(owing):
+            slot = self.slots[self.rank_slot[rank]]
+            if slot.alive and slot.hello:  # a replacement still starting has no link to hear it yet
+                actions.append(self._command(slot, kind, args))
         return actions
 
     def _recovery_laggards(self, now: float) -> list[tuple[Slot, ProcessFailure]]:
@@ -499,6 +525,8 @@ class Job:
             held = self._recovery_deadline_of(slot)
             if held is not None:
                 candidates.append(held[0])
+        if self.recovery is not None and self.state is JobState.RECOVERING:
+            candidates.append(max(self.recovery.resend_at, now))
         return min(candidates)
 
     # ------------------------------------------------------------------ failures
@@ -707,6 +735,7 @@ class Job:
             }))
         rec = self.recovery
         rec.phase_start[RecoveryPhase.ABORT] = now
+        rec.resend_at = now + RESEND_INTERVAL
         rec.phase_start[RecoveryPhase.SPAWN] = now
         self.state = JobState.RECOVERING
         for slot in self._rank_slots():
@@ -776,9 +805,10 @@ class Job:
             if all(s.hello for s in ranks):
                 rec.recover_sent_at = now
                 rec.deadline = now + self.config.timeouts.recovery_timeout  # RECOVER -> RECOVERED
-                args = {"world_size": self.config.world_size, "replaced": list(rec.failed_ranks)}
+                rec.resend_at = now + RESEND_INTERVAL
+                rec.recover_args = {"world_size": self.config.world_size, "replaced": list(rec.failed_ranks)}
                 for slot in ranks:
-                    actions.append(self._command(slot, CommandKind.RECOVER, args))
+                    actions.append(self._command(slot, CommandKind.RECOVER, rec.recover_args))
                     actions += self._set_state(slot, WorkerState.RECOVERING, now)
             return actions
         if not self._unrecovered:

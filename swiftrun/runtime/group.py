@@ -6,6 +6,11 @@ Facts this design rests on (measured on torch 2.13, gloo, CPU; see docs/ARCHITEC
   its ring neighbour: that rank waits for the full group timeout. What does release it at once is shutting down
   the group's TCP connections: gloo's pair sees "Connection closed" and fails the pending operation, and every
   collective issued on that group afterwards fails immediately instead of hanging.
+- Except, rarely, a *send*: a ring all-reduce was seen blocked in gloo's ``UnboundBuffer::waitSend`` after its
+  connections were shut down (gdb, session 4's "deaf survivor"), bounded only by the collective timeout; a send
+  pending before the shutdown, or posted after it, is released (measured), so it is a race inside gloo.
+  Not handled yet (docs/ARCHITECTURE.md, "Control protocol"): the launcher replaces such a rank after
+  ``--recovery-timeout``.
 - Shutting down gloo's *listening* socket kills the process (an enforce in gloo's listener thread), so only
   connected sockets are touched.
 
@@ -16,11 +21,12 @@ communicators, which is the documented way to release a blocked NCCL collective.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,9 +73,11 @@ class GroupManager:
         self.device_id = device_id
         self._lock = threading.Lock()
         self._sockets: list[tuple[int, int]] = []
+        self._sockets_gen = -1  # the generation whose group (being) built opened _sockets
         self._aborted_below = 0  # groups of a generation below this one have been aborted
         self.generation = -1
         self._store: dist.Store | None = None
+        self.connect_timeout = 30.0  # seconds a group's construction may take (the latest build's)
 
     def _connect_store(self) -> dist.Store:
         """A store client of this generation's own. Building the group waits in the store for every peer's
@@ -92,10 +100,12 @@ class GroupManager:
         # other's keys in the store until the connect timeout (fault campaign, a kill right after start-up)
         if hasattr(dist.distributed_c10d, "_world"):
             dist.distributed_c10d._world.group_count = 0
+        self.connect_timeout = connect_timeout
         before = _connected_tcp_sockets()
         store = self._connect_store()
         with self._lock:  # an abort from now on releases the store wait too
             self._sockets = [(fd, ino) for fd, ino in _connected_tcp_sockets().items() if before.get(fd) != ino]
+            self._sockets_gen = generation
             aborted = generation < self._aborted_below
         if aborted:
             raise RuntimeError(f"generation {generation} was aborted before its group was built")
@@ -112,7 +122,7 @@ class GroupManager:
         if hasattr(pg, "set_timeout"):
             pg.set_timeout(self.timeout)
         # the script's own subgroups died with the old default group: the same ones again, same order everywhere
-        subgroups.recreate(lambda create: create())
+        subgroups.recreate(self._bounded)
         after = _connected_tcp_sockets()
         with self._lock:
             self._sockets = [(fd, ino) for fd, ino in after.items() if before.get(fd) != ino]
@@ -125,7 +135,7 @@ class GroupManager:
         """A subgroup of the current generation whose connections are aborted with the rest (a transfer's
         source dying mid-stream must release its receivers at once, like any other collective)."""
         before = _connected_tcp_sockets()
-        group = dist.new_group(members)
+        group = self._bounded(dist.new_group, (members,), {})
         after = _connected_tcp_sockets()
         with self._lock:
             self._sockets += [(fd, ino) for fd, ino in after.items() if before.get(fd) != ino]
@@ -134,14 +144,36 @@ class GroupManager:
             self.abort(self._aborted_below)
         return group
 
+    def _bounded(self, new_group: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``new_group(*args, **kwargs)`` whose construction waits at most the connect timeout, then with the
+        collective timeout it asked for (torch's default when none: 30 min for gloo).
+
+        A group's construction connects a full mesh with the group's timeout. A member that published its
+        address and died before connecting (a rank killed right after START, fault campaign) left every other
+        member waiting in gloo's connect for that whole timeout, 30 minutes, deaf to the launcher's ABORT: the
+        abort shuts down only connections that exist, and these were still being made. Bounded like the
+        default group's (``init_process_group(timeout=connect_timeout)``), the construction fails within the
+        connect timeout and the rank answers the abort."""
+        bound = inspect.signature(new_group).bind(*args, **kwargs)
+        wanted = bound.arguments.get("timeout")
+        bound.arguments["timeout"] = timedelta(seconds=self.connect_timeout)
+        group = new_group(*bound.args, **bound.kwargs)
+        if isinstance(group, dist.ProcessGroup) and hasattr(group, "set_timeout"):
+            group.set_timeout(wanted if wanted is not None else _default_timeout(self.backend))
+        return group
+
     def abort(self, generation: int) -> None:
         """Generation ``generation`` begins: release every collective blocked on an older group, now.
 
-        Safe from any thread, idempotent."""
+        Safe from any thread, idempotent. The launcher repeats an ABORT a rank has not answered (a lost message,
+        launcher/job.py RESEND_INTERVAL), and a repeat may arrive while this rank already builds the group of that
+        very generation (a replacement builds it without waiting for any ABORT): only the sockets of an older
+        generation's group are shut down."""
         with self._lock:
             self._aborted_below = max(self._aborted_below, generation)
-            sockets = list(self._sockets)
-            pg = dist.group.WORLD if dist.is_initialized() else None
+            stale = self._sockets_gen < generation
+            sockets = list(self._sockets) if stale else []
+            pg = dist.group.WORLD if stale and dist.is_initialized() else None
         for fd, ino in sockets:
             try:
                 if os.fstat(fd).st_ino != ino:
@@ -177,6 +209,14 @@ class GroupManager:
         if _backend_name(self.backend) == "nccl" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _default_timeout(backend: Any) -> timedelta:
+    """What torch gives a group created without a timeout."""
+    try:
+        return dist.distributed_c10d._get_default_timeout(dist.Backend(_backend_name(backend)))
+    except Exception:  # noqa: BLE001 - a private helper: fall back to its documented value
+        return timedelta(minutes=30)
 
 
 def _backend_name(backend: Any) -> str:

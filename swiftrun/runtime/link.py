@@ -12,6 +12,7 @@ touch the inherited socket, so every entry point is a no-op there.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -24,6 +25,17 @@ import zmq
 from swiftrun import protocol
 from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.runtime.env import WorkerEnv
+
+log = logging.getLogger("swiftrun.runtime")
+
+# The launcher repeats a recovery command until the rank's answer arrives (launcher/job.py RESEND_INTERVAL): a
+# rank that already answered it repeats its answer, since either message may have been lost on the way.
+ANSWERS = {
+    EventKind.ABORTED: CommandKind.ABORT,
+    EventKind.JOINING: CommandKind.ABORT,
+    EventKind.RECOVERED: CommandKind.RECOVER,
+    EventKind.UNRECOVERABLE: CommandKind.RECOVER,
+}
 
 
 class Link:
@@ -39,6 +51,7 @@ class Link:
         self._commands: dict[CommandKind, protocol.Command] = {}  # newest command of each kind
         self._outbox: queue.SimpleQueue[protocol.Message] = queue.SimpleQueue()
         self._status: protocol.Status | None = None
+        self._answers: dict[CommandKind, protocol.Event] = {}  # link thread only: the last answer to each command
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = threading.Event()
         self._connected = threading.Event()
@@ -132,6 +145,10 @@ class Link:
                 msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(msg, protocol.Event):
+                log.debug("link: sending %s(%d)", msg.event.value, msg.gen)
+                if msg.event in ANSWERS:
+                    self._answers[ANSWERS[msg.event]] = msg
             self._send(sock, msg, block=True)
 
     def _send(self, sock: zmq.Socket, msg: protocol.Message, block: bool = False) -> None:
@@ -159,6 +176,7 @@ class Link:
                 self._on_command(sock, msg)
 
     def _on_command(self, sock: zmq.Socket, cmd: protocol.Command) -> None:
+        log.debug("link: received %s(%d)", cmd.command.value, cmd.gen)
         if cmd.command is CommandKind.ABORT and self.on_abort is not None:
             # release a training thread blocked in a collective before anything else
             self.on_abort(cmd.gen)
@@ -172,6 +190,10 @@ class Link:
             self._cv.notify_all()
         if cmd.cmd_id:
             self._send(sock, protocol.Ack(gen=cmd.gen, cmd_id=cmd.cmd_id))
+        answer = self._answers.get(cmd.command)
+        if answer is not None and answer.gen == cmd.gen:
+            log.debug("link: %s(%d) again: answering %s again", cmd.command.value, cmd.gen, answer.event.value)
+            self._send(sock, answer, block=True)
 
     def _ring(self) -> None:
         try:

@@ -97,12 +97,12 @@ def install() -> None:
         sys.meta_path.insert(0, _Finder())
 
 
-def recreate(create: Callable[[Callable[[], Any]], Any]) -> None:
-    """Create every recorded group again for the new default group; ``create(thunk)`` runs one creation (the
-    group manager wraps it to track the new connections for aborts)."""
+def recreate(create: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
+    """Create every recorded group again for the new default group; ``create(new_group, args, kwargs)`` runs one
+    creation (the group manager bounds its connection phase and tracks the new connections for aborts)."""
     assert _original is not None or not _specs
     for i, (args, kwargs) in enumerate(_specs):
-        group = create(functools.partial(_original, *args, **kwargs))
+        group = create(_original, args, kwargs)
         _current[i] = group
         _index[id(group)] = i
         _keep.append(group)

@@ -18,7 +18,7 @@ from swiftrun.config import Entrypoint, EntrypointKind, LaunchConfig, RecoveryMo
 from swiftrun.events import EventName
 from swiftrun.launcher import failures
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
-from swiftrun.launcher.job import EXIT_GRACE, SETUP_GRACE, Job
+from swiftrun.launcher.job import EXIT_GRACE, RESEND_INTERVAL, SETUP_GRACE, Job
 from swiftrun.protocol import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
@@ -955,7 +955,7 @@ def test_the_recovery_deadline_kills_a_survivor_that_never_aborted_and_replaces_
 
     sim.advance(59.9)
     sim.heartbeat_all()
-    assert sim.tick() == []
+    assert [(a.slot_id, a.command) for a in sim.tick()] == [(2, CommandKind.ABORT)]  # asked again, in vain
     sim.advance(0.1)
     sim.heartbeat_all()
     actions = sim.tick()
@@ -966,6 +966,51 @@ def test_the_recovery_deadline_kills_a_survivor_that_never_aborted_and_replaces_
     assert sim.job.generation == 2
     assert [(s.rank, s.incarnation, s.joining) for s in of(actions, Spawn)] == [(2, 1, True)]
     assert sim.job.recovery.deadline == sim.now + 60
+
+
+def test_an_unanswered_abort_is_sent_again_until_answered_and_repeats_are_harmless():
+    """One lost ABORT (or ABORTED) must not stall a recovery for --recovery-timeout: the launcher repeats the
+    ABORT to the ranks that owe an answer, every RESEND_INTERVAL; a repeated answer changes nothing."""
+    sim, new = _cold_recovery()
+    assert sends(sim.tick(), CommandKind.ABORT) == []  # not yet due
+    sim.advance(RESEND_INTERVAL)
+    sim.heartbeat_all()
+    again = sends(sim.tick(), CommandKind.ABORT)
+    # the survivors (rank 0, rank 2) again; the replacement has no link yet (no HELLO)
+    assert [(a.slot_id, a.generation) for a in again] == [(0, 1), (2, 1)]
+    sim.event(0, EventKind.ABORTED)
+    sim.event(0, EventKind.ABORTED)  # its answer to the repeat: nothing changes
+    sim.hello(new)
+    sim.advance(RESEND_INTERVAL)
+    sim.heartbeat_all()
+    again = sends(sim.tick(), CommandKind.ABORT)
+    assert [a.slot_id for a in again] == [new, 2]  # rank 0 answered; rank 1 (the replacement) said HELLO only
+    assert sends(sim.event(new, EventKind.JOINING), CommandKind.RECOVER) == []
+    recover = sends(sim.event(2, EventKind.ABORTED), CommandKind.RECOVER)
+    assert sorted(r.slot_id for r in recover) == [0, 2, new]
+    assert sends(sim.event(2, EventKind.ABORTED), CommandKind.RECOVER) == []  # a repeat sends no second RECOVER
+
+
+def test_an_unanswered_recover_is_sent_again_and_a_repeated_recovered_resumes_once():
+    sim, new = _cold_recovery()
+    (recover, *_) = sends(_all_ready(sim, [new], [0, 2]), CommandKind.RECOVER)
+    sim.event(0, EventKind.RECOVERED)
+    sim.event(new, EventKind.RECOVERED)
+    sim.advance(RESEND_INTERVAL)
+    sim.heartbeat_all()
+    actions = sim.tick()
+    assert sends(actions, CommandKind.ABORT) == []
+    (again,) = sends(actions, CommandKind.RECOVER)
+    assert (again.slot_id, again.generation, again.args) == (2, 1, recover.args)
+    resume = sends(sim.event(2, EventKind.RECOVERED), CommandKind.RESUME)
+    assert sorted(r.slot_id for r in resume) == [0, 2, new]
+    assert sim.job.state is JobState.RUNNING
+    assert sim.event(2, EventKind.RECOVERED) == []  # its answer to the last repeat, after the recovery ended
+    sim.advance(RESEND_INTERVAL)
+    sim.heartbeat_all()
+    assert sim.tick() == []
+    ended = [r for r in sim.log if isinstance(r, Record) and r.event is EventName.RECOVERY_END]
+    assert len(ended) == 1
 
 
 def test_the_recovery_deadline_after_recover_kills_ranks_that_did_not_recover():
