@@ -76,7 +76,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("fault, script", [
     ("2:6:forward:sigkill", ()),  # a middle stage, two steps after its checkpoint
     ("3:5:backward:sigkill", ("--clip", "0.5")),  # the last stage; a cross-stage grad-norm all-reduce is replayed
-    ("0:4:step:sigkill", ("--schedule", "gpipe")),  # the first stage, in the step of its checkpoint
+    # the first stage, in the step of its checkpoint (extended: GPipe is in the fault campaign, first-stage loss
+    # in the DP x PP and logging-group tests)
+    pytest.param("0:4:step:sigkill", ("--schedule", "gpipe"), marks=pytest.mark.extended),
 ])
 def test_lost_stage_is_replayed_bitwise(tmp_path, reference, fault, script):
     ref = reference(script)
@@ -108,7 +110,7 @@ def test_a_rank_lost_in_its_checkpoint_exchange_replays_from_the_previous_checkp
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("cap, helpers", [("0", []), ("1", [0])])
+@pytest.mark.parametrize("cap, helpers", [pytest.param("0", [], marks=pytest.mark.extended), ("1", [0])])
 def test_parallel_replay_cap(tmp_path, reference, cap, helpers):
     """--parallel-replay 0 replays alone; 1 takes one helper (two ranges of two micro-batches, folded over a
     chain of two): both bitwise equal to the failure-free run."""

@@ -175,6 +175,7 @@ def test_swiftrun_replays_a_killed_stage_whose_dropout_counts_forwards(pp_runs, 
     assert_equal_nested(load(reference), load(save), "rank files")
 
 
+@pytest.mark.extended  # a reference run of its own (8 layers); interleaved replay stays in the default suite
 @pytest.mark.timeout(300)
 def test_swiftrun_recovers_interleaved_4_ranks_from_a_kill_in_step_1(pp_runs, tmp_path, marker):
     """Interleaved 1F1B on 4 ranks (8 virtual stages), rank 3 SIGKILLed in step 1's forward. torch's runtime
