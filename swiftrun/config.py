@@ -55,7 +55,8 @@ class FaultSpec:
 
     ``phase`` is one of forward, backward, allreduce, step, scheduler, after-step, collective, save, recover,
     transfer, help, exchange, import, connect (see swiftrun/runtime/faults.py for where each fires);
-    ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil.
+    ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil, deaf (the rank's next gloo
+    all-reduce wait never ends by itself, as when gloo leaves a send blocked: only an ABORT ends it).
     ``every_incarnation`` makes replacements of that rank fail the same way (a deterministic crash).
     """
 
@@ -67,7 +68,7 @@ class FaultSpec:
 
     PHASES = ("forward", "backward", "allreduce", "step", "scheduler", "after-step", "collective", "save",
               "recover", "transfer", "help", "exchange", "import", "connect")
-    KINDS = ("sigkill", "exception", "exit", "sigstop", "segfault", "hang-gil")
+    KINDS = ("sigkill", "exception", "exit", "sigstop", "segfault", "hang-gil", "deaf")
 
     def __post_init__(self) -> None:
         if self.phase not in self.PHASES:

@@ -227,15 +227,26 @@ def main(argv: list[str], warm: bool = False) -> None:
     log.debug("running %s %s", mode, target)
     try:
         run_target(mode, target, args)
-    except SystemExit:
+    except SystemExit as exc:
         _leave(link)
+        _exit_if_groups_kept(exc.code)
         raise
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - the user's error, reported as python would, then exit 1
         _report_failure(link, exc, target)
+        _exit_if_groups_kept(1)
         sys.exit(1)
     _leave(link)
+    _exit_if_groups_kept(0)
+
+
+def _exit_if_groups_kept(code: object) -> None:
+    """A recovery kept a process group whose operation was blocked inside gloo (runtime/abortable.py): the
+    interpreter's finalization must not run while it may wake."""
+    kept = sys.modules.get("swiftrun.runtime.abortable")
+    if kept is not None:
+        kept.exit_if_kept(code)
 
 
 def _leave(link: Link | None) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime import faults, subgroups
+from swiftrun.runtime import abortable, faults, subgroups
 
 if TYPE_CHECKING:
     from swiftrun.runtime.recovery import Recovery
@@ -91,10 +91,15 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if rec is None or bypassed():
             return fn(*args, **kwargs)
         with internal():
-            return _call(rec, name, fn, args, kwargs)
+            return _call(rec, name, functools.partial(_abortable, name, fn), args, kwargs)
 
     wrapper._swiftrun_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _abortable(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The script's call, its wait ended by an ABORT even where gloo would not end it (runtime/abortable.py)."""
+    return abortable.call(name, fn, args, kwargs)
 
 
 def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:

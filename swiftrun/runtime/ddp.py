@@ -33,9 +33,10 @@ import functools
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from swiftrun.runtime import subgroups
+from swiftrun.runtime import abortable, subgroups
 
 Layout = list[list[int]]  # bucket -> parameter indices, in the order the reducer reduces them
+ABORTABLE_HOOK = "swiftrun.abortable_allreduce"
 _FORCED = "_swiftrun_forced_layout"  # attribute on the DDP module: the layout rebind() last gave its reducer
 
 
@@ -156,9 +157,33 @@ def rebind(ddp: DistributedDataParallel, layout: Layout | None) -> None:
         ddp.reducer._set_static_graph()
         ddp.logger._set_static_graph()
     setattr(ddp, _FORCED, layout)
-    for hook, state in list(ddp._comm_hooks):  # a user's comm hook lived on the old reducer
-        dist._register_comm_hook(ddp.reducer, state, hook)
+    _install_comm_hook(ddp)
     ddp.require_backward_grad_sync = True
+
+
+def _install_comm_hook(ddp: DistributedDataParallel) -> None:
+    """The fresh reducer's gradient all-reduce, waited on through a future the launcher's ABORT can fail
+    (runtime/abortable.py): the script's own comm hook if it registered one (it lived on the old reducer), else
+    DDP's averaging where a hook reproduces it bit for bit. A reducer takes one hook, ever: a script registering
+    its own after this gets it installed by a rebind instead (:func:`_late_registration`)."""
+    if "register_comm_hook" not in vars(ddp):
+        ddp.register_comm_hook = functools.partial(_late_registration, ddp)
+    hooks = list(ddp._comm_hooks)
+    if hooks:
+        for hook, state in hooks:
+            dist._register_comm_hook(ddp.reducer, state, abortable.abortable_hook(hook))
+    elif abortable.eligible(ddp):
+        dist._register_comm_hook(ddp.reducer, (ddp.process_group, abortable.PENDING), abortable.allreduce_hook)
+        ddp.logger._set_comm_hook_name(ABORTABLE_HOOK)  # DDP's logging data says which hook runs
+
+
+def _late_registration(ddp: DistributedDataParallel, state: object, hook) -> None:
+    """``ddp.register_comm_hook`` after swiftrun installed its own: what DDP's method does, then a reducer
+    rebuilt with the same layout to carry it (DDP allows one hook per reducer)."""
+    ddp._check_comm_hook(hook)
+    ddp.logger._set_comm_hook_name(hook.__qualname__)
+    ddp._comm_hooks.append((hook, state))
+    rebind(ddp, current_layout(ddp))
 
 
 def _alive(group) -> bool:

@@ -28,6 +28,7 @@ from swiftrun.runtime.env import WorkerEnv
 _plan: list[FaultSpec] = []
 _rank = -1
 _incarnation = 0
+_deaf = False  # a ``deaf`` fault fired: the next watched gloo wait is given a source that never completes
 
 
 class InjectedFault(RuntimeError):
@@ -74,6 +75,13 @@ def _after(fn, phase: str):
     return wrapped
 
 
+def take_deaf() -> bool:
+    """Whether a ``deaf`` fault wants this wait to hang (once per firing)."""
+    global _deaf
+    deaf, _deaf = _deaf, False
+    return deaf
+
+
 def planned(*phases: str) -> bool:
     """Whether a fault of this process's rank is planned at any of ``phases`` (hooks are installed only then)."""
     return any(f.rank == _rank and f.phase in phases and (f.every_incarnation or _incarnation == 0) for f in _plan)
@@ -94,6 +102,10 @@ def fire(phase: str, step: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     kind = fault.kind
+    if kind == "deaf":  # not a failure by itself: the training thread's next all-reduce wait hangs (abortable.py)
+        global _deaf
+        _deaf = True
+        return
     if kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "sigstop":

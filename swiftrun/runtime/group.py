@@ -8,9 +8,9 @@ Facts this design rests on (measured on torch 2.13, gloo, CPU; see docs/ARCHITEC
   collective issued on that group afterwards fails immediately instead of hanging.
 - Except, rarely, a *send*: a ring all-reduce was seen blocked in gloo's ``UnboundBuffer::waitSend`` after its
   connections were shut down (gdb, session 4's "deaf survivor"), bounded only by the collective timeout; a send
-  pending before the shutdown, or posted after it, is released (measured), so it is a race inside gloo.
-  Not handled yet (docs/ARCHITECTURE.md, "Control protocol"): the launcher replaces such a rank after
-  ``--recovery-timeout``.
+  pending before the shutdown, or posted after it, is released (measured), so it is a race inside gloo. The
+  training thread therefore waits on gloo through futures the abort fails itself, and a group with such an
+  operation still inside gloo is kept, never destroyed (runtime/abortable.py).
 - Shutting down gloo's *listening* socket kills the process (an enforce in gloo's listener thread), so only
   connected sockets are touched.
 
@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime import subgroups
+from swiftrun.runtime import abortable, subgroups
 
 STORE_PREFIX = "/swiftrun/g{generation}/"
 
@@ -93,6 +93,7 @@ class GroupManager:
         with self._lock:
             if generation < self._aborted_below:
                 raise RuntimeError(f"generation {generation} was aborted before its group was built")
+        self._keep_if_blocked()
         self.destroy()
         # torch names the default group after a counter that only destroy_process_group() resets; a build that
         # failed (a peer died before it connected: the store wait timed out) took name "0" without a group to
@@ -128,6 +129,7 @@ class GroupManager:
             self._sockets = [(fd, ino) for fd, ino in after.items() if before.get(fd) != ino]
             self.generation = generation
             aborted = generation < self._aborted_below
+        abortable.PENDING.open(generation)
         if aborted:  # the launcher moved past this generation while we were building it
             self.abort(self._aborted_below)
 
@@ -169,6 +171,7 @@ class GroupManager:
         launcher/job.py RESEND_INTERVAL), and a repeat may arrive while this rank already builds the group of that
         very generation (a replacement builds it without waiting for any ABORT): only the sockets of an older
         generation's group are shut down."""
+        abortable.PENDING.abort(generation)  # the training thread's waits end now, whatever gloo does
         with self._lock:
             self._aborted_below = max(self._aborted_below, generation)
             stale = self._sockets_gen < generation
@@ -192,6 +195,18 @@ class GroupManager:
                 pg.abort()
             except Exception:  # noqa: BLE001 - an abort that fails leaves the watchdog and timeouts as backstop
                 pass
+
+    def _keep_if_blocked(self) -> None:
+        """Before the old generation's groups are dropped: if one of its operations is still inside gloo, keep
+        every group of that generation alive (destroying one joins its blocked worker thread)."""
+        if self.generation < 0 or not abortable.PENDING.blocked(self.generation):
+            return
+        groups = list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+        if abortable.keep_forever(groups):
+            from swiftrun.runtime.process import warn
+
+            warn(f"a collective of generation {self.generation} is still blocked inside gloo after the abort; "
+                 f"its {len(groups)} process group(s) are kept (never destroyed) so that this rank goes on")
 
     def destroy(self) -> None:
         """Drop the current default group (aborted or a placeholder) so a new one can be initialised."""

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from tests.helpers import run, start, wait_until
+from tests.helpers import run, run_torchrun, start, wait_until
 from tests.integration.recovery_support import (
     SCRIPT, STEPS, assert_recovered_equal, flat_state, launch_args, load_results, max_rel_diff, recoveries,
 )
@@ -107,7 +107,7 @@ def test_random_sigkills_from_outside(references, tmp_path, marker):
 def test_failure_free_swiftrun_matches_torchrun(references, tmp_path, marker):
     """Turning recovery on changes nothing numerically: same script, same result as plain torchrun."""
     save = tmp_path / "torchrun"
-    proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS), "--optimizer",
+    proc = run_torchrun(["torchrun", "--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS), "--optimizer",
                 "adamw", "--hidden", "64", "--layers", "3", "--save-dir", str(save)], marker, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = flat_state(load_results(references(2, "adamw"), 1)[0])

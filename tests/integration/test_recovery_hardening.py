@@ -142,3 +142,20 @@ def test_failure_before_ddp_reports_its_rebuilt_buckets_is_exact(fault, referenc
     assert [e["source_rank"] is not None for e in _events(events) if e["event"] == "recovery_end"] == [True]
     assert_recovered_equal(tmp_path / "save", references(3, "adam", 6, model), 3, events)
     assert "not bitwise" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_whose_gloo_wait_never_ends_is_released_by_the_abort(references, tmp_path, marker):
+    """Session 4's deaf survivor, made deterministic: rank 0's all-reduce of step 4 never completes for its
+    training thread (``deaf``: gloo finishes it, the rank never hears), then rank 2 dies at step 5. Only the
+    abort can end rank 0's wait: it must stay a survivor (not be replaced after --recovery-timeout), keep the
+    blocked group, and end bitwise like the failure-free run, exit 0."""
+    events = tmp_path / "events.jsonl"
+    faults = ["--fault", "0:4:backward:deaf", "--fault", "2:5:forward:sigkill", "--recovery-timeout", "200"]
+    proc = run(launch_args(4, "adam", tmp_path / "save", events, faults), marker, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_recovered_equal(tmp_path / "save", references(4, "adam"), 4, events)
+    records = _events(events)
+    assert sorted(e["rank"] for e in records if e["event"] == "worker_failed") == [2]
+    assert any(e["event"] == "warning" and e.get("rank") == 0 and "blocked inside gloo" in e.get("message", "")
+               for e in records), [e for e in records if e["event"] == "warning"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, processes_with_marker, run, swiftrun_cmd, wait_until
+from tests.helpers import EXAMPLES, processes_with_marker, run, run_torchrun, swiftrun_cmd, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 def launch(cmd: list[str], marker: str) -> str:
-    proc = run(cmd, marker, timeout=TIMEOUT)
+    proc = (run_torchrun if cmd[0] == "torchrun" else run)(cmd, marker, timeout=TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n" + (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, run, swiftrun_cmd
+from tests.helpers import EXAMPLES, run, run_torchrun, swiftrun_cmd
 
 sys.path.insert(0, str(EXAMPLES / "zoo"))
 from _common import differing_keys, kind_rel_diff  # noqa: E402
@@ -51,7 +51,7 @@ def zoo_reference(tmp_path_factory):
         key = (script, extra)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"zoo-ref-{script}")
-            proc = run(["torchrun", "--standalone", "--nproc-per-node", str(WORLD), str(ZOO / f"{script}.py"),
+            proc = run_torchrun(["torchrun", "--standalone", "--nproc-per-node", str(WORLD), str(ZOO / f"{script}.py"),
                         *ARGS[script], *extra, "--save-dir", str(out / "save")], marker="zoo-reference",
                        timeout=180)
             assert proc.returncode == 0, proc.stderr[-3000:]

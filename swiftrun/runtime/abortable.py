@@ -1,0 +1,258 @@
+"""Waits on gloo collectives that the launcher's ABORT can always end, and groups that are never torn down while
+one of their collectives is still blocked.
+
+The abort of a generation shuts down its group's TCP connections (runtime/group.py), which fails a pending gloo
+operation at once, except, rarely, a ring all-reduce's *send*: session 4 caught one in gloo's
+``UnboundBuffer::waitSend`` after every connection of its group had been shut down, bounded only by the group's
+collective timeout (30 minutes). DDP's ``finalize_backward`` waited on it without a timeout, the training thread
+never reached the recovery, and the rank was only replaced after ``--recovery-timeout`` (the "deaf survivor").
+
+Two things make that wait end with the abort, whatever gloo does:
+
+- the training thread never waits on a gloo future directly: it waits on a future of ours (:meth:`PendingOps.watch`)
+  that completes with gloo's, or fails as soon as the link thread receives ABORT (:meth:`PendingOps.abort`).
+  DDP's gradient all-reduce goes through :func:`allreduce_hook` (installed by runtime/ddp.py ``rebind``), the
+  script's own collectives through :func:`call` (runtime/collectives.py);
+- a group whose operation may still block a gloo worker thread is never destroyed: ``ProcessGroupGloo``'s
+  destructor joins its worker threads, so dropping the last reference would block whoever dropped it for that
+  same timeout (measured: 14.7 s with a 15 s timeout, 0.4 s when kept). :func:`keep_forever` holds such groups
+  until the process exits; their sockets are already shut down, so they cost only two idle threads each.
+
+Only CPU tensors on gloo are watched. NCCL's ``abort()`` fails its pending work itself, and a CUDA future carries
+stream semantics a plain future of ours would lose; both take the unwatched path, with the same numerics.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from swiftrun.runtime import faults
+
+ABORTED = "aborted by a swiftrun recovery (generation {generation} began)"
+
+
+class PendingOps:
+    """The watched operations of this process, by the generation of the group they run on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation = 0  # the generation whose group runs the operations watched from now on (the first: 0)
+        self._aborted_below = 0  # operations of a generation below this one fail as soon as they are watched
+        self._waiting: dict[torch.futures.Future, int] = {}  # our future -> its generation, until it completes
+        self._sources: dict[int, list[torch.futures.Future]] = {}  # generation -> gloo futures that may still run
+
+    def open(self, generation: int) -> None:
+        """The group of ``generation`` is built: operations watched from now on belong to it."""
+        with self._lock:
+            self._generation = generation
+            for old in [g for g in self._sources if g < generation]:
+                self._sources[old] = [f for f in self._sources[old] if not f.done()]
+                if not self._sources[old]:
+                    del self._sources[old]
+
+    def watch(self, source: torch.futures.Future) -> torch.futures.Future:
+        """A future that completes like ``source``, or fails when the generation it runs in is aborted."""
+        ours: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            generation = self._generation
+            aborted = generation < self._aborted_below
+            if not aborted:
+                self._waiting[ours] = generation
+                self._sources.setdefault(generation, []).append(source)
+        if aborted:
+            ours.set_exception(RuntimeError(ABORTED.format(generation=self._aborted_below)))
+            return ours
+
+        def finished(done: torch.futures.Future) -> None:
+            with self._lock:  # whoever removes ``ours`` from _waiting completes it, exactly once
+                if self._waiting.pop(ours, None) is None:
+                    return
+            try:
+                ours.set_result(done.value())
+            except Exception as exc:  # noqa: BLE001 - gloo's own failure, passed on as it is
+                ours.set_exception(exc)
+
+        source.add_done_callback(finished)
+        return ours
+
+    def abort(self, generation: int) -> int:
+        """Generation ``generation`` begins: fail every watched wait of an older one. Any thread; returns how
+        many waits it failed."""
+        with self._lock:
+            self._aborted_below = max(self._aborted_below, generation)
+            failed = [f for f, g in self._waiting.items() if g < generation]
+            for future in failed:
+                del self._waiting[future]
+        for future in failed:
+            future.set_exception(RuntimeError(ABORTED.format(generation=generation)))
+        return len(failed)
+
+    def waiting(self) -> int:
+        """How many watched waits are pending now."""
+        with self._lock:
+            return len(self._waiting)
+
+    def blocked(self, generation: int) -> bool:
+        """Whether an operation watched on ``generation``'s group has not completed inside gloo yet (its worker
+        thread may be stuck in it: the group must not be destroyed)."""
+        with self._lock:
+            return any(not f.done() for f in self._sources.get(generation, ()))
+
+
+PENDING = PendingOps()  # the process's one registry: a worker has one runtime and one default group lineage
+
+_kept: set[int] = set()
+
+
+def keep_forever(groups: list[Any]) -> int:
+    """Never run these groups' destructors (they would join a worker thread blocked in gloo): one reference each
+    that nothing releases, so neither a rebuilt reducer nor the interpreter's exit drops the last one."""
+    count = 0
+    for group in groups:
+        if id(group) not in _kept:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+            _kept.add(id(group))
+            count += 1
+    return count
+
+
+def exit_if_kept(code: Any) -> None:
+    """The script is over: if groups were kept, exit now, as ``sys.exit(code)`` would but without the interpreter's
+    finalization. A kept group's blocked operation wakes when its peers exit or its timeout passes, and completing
+    its future calls back into Python from a gloo thread; during finalization that kills the process (seen:
+    SIGABRT, SIGSEGV). The script's atexit handlers still run, and the standard streams are flushed."""
+    if not _kept:
+        return
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        sys.stderr.write(f"{code}\n")
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def _gloo_cpu(tensors: list[torch.Tensor], group: Any) -> bool:
+    if any(t.is_cuda for t in tensors):
+        return False
+    try:
+        return str(dist.get_backend(group)).lower() == "gloo"
+    except Exception:  # noqa: BLE001 - not a group torch knows (destroyed): the plain path decides
+        return False
+
+
+# -------------------------------------------------------------------------------------------- DDP's all-reduce
+
+def eligible(ddp: Any) -> bool:
+    """Whether ``ddp``'s gradient all-reduce can run through :func:`allreduce_hook`: gloo, CPU parameters, no
+    sparse gradient, and DDP's scaling reproducible bit for bit (:func:`scaling_is_exact`)."""
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    if any(expect_sparse) or any(p.is_cuda for p in parameters) or getattr(ddp, "mixed_precision", None):
+        return False
+    group = ddp.process_group
+    try:
+        if str(dist.get_backend(group)).lower() != "gloo":
+            return False
+    except Exception:  # noqa: BLE001 - a group torch does not know: leave DDP as it is
+        return False
+    return scaling_is_exact(ddp, group.size())
+
+
+def scaling_is_exact(ddp: Any, group_size: int) -> bool:
+    """Whether :func:`allreduce_hook` gives DDP's built-in result bit for bit.
+
+    Without a comm hook the reducer scales each gradient by ``1 / world`` while copying it into its bucket
+    (a multiplication), or, for a gradient that is already a view of its bucket (``gradient_as_bucket_view``
+    after the first iteration), divides it in place; a hook sees neither which path a gradient took nor can
+    reproduce the mix (measured, world 3: the multiplication matches bit for bit, the division does not). With
+    a power-of-two world both are the same exactly rounded operation."""
+    return not ddp.gradient_as_bucket_view or (group_size & (group_size - 1)) == 0
+
+
+def allreduce_hook(state: tuple[Any, PendingOps], bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP's own gradient averaging (see :func:`scaling_is_exact`), waited on through :data:`PENDING`."""
+    group, pending = state
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / group.size())
+    work = group.allreduce([buffer])  # the group's own method: not the script's (wrapped, maybe logged) all_reduce
+    source = work.get_future()
+    if faults.take_deaf():  # fault injection: gloo completes the all-reduce, this rank never hears of it
+        source = torch.futures.Future()
+    return pending.watch(source).then(_first)
+
+
+def abortable_hook(hook: Callable[..., torch.futures.Future], pending: PendingOps = PENDING) -> Callable[..., Any]:
+    """A script's own comm hook whose future the abort can fail too (CPU buckets only)."""
+
+    def wrapped(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        future = hook(state, bucket)
+        if bucket.buffer().is_cuda:
+            return future
+        return pending.watch(future)
+
+    wrapped.__qualname__ = getattr(hook, "__qualname__", "hook")
+    return wrapped
+
+
+def _first(future: torch.futures.Future) -> torch.Tensor:
+    value = future.value()
+    return value[0] if isinstance(value, list) else value
+
+
+# ------------------------------------------------------------------------------------- the script's collectives
+
+# collective -> the positional index and keyword of the group argument
+_GROUP_ARG = {
+    "all_reduce": (2, "group"), "broadcast": (2, "group"), "reduce": (3, "group"), "all_gather": (2, "group"),
+    "all_gather_into_tensor": (2, "group"), "reduce_scatter": (3, "group"), "reduce_scatter_tensor": (3, "group"),
+    "gather": (3, "group"), "scatter": (3, "group"), "all_to_all": (2, "group"), "all_to_all_single": (4, "group"),
+    "barrier": (0, "group"),
+}
+
+
+def call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, pending: PendingOps = PENDING) -> Any:
+    """``fn(*args, **kwargs)`` for a synchronous collective, its wait abortable when it runs on gloo with CPU
+    tensors; anything else (an async call the script waits on itself, another backend) runs unchanged."""
+    if name not in _GROUP_ARG or kwargs.get("async_op"):
+        return fn(*args, **kwargs)
+    index, keyword = _GROUP_ARG[name]
+    if len(args) > index + 1:  # async_op given by position: the script waits on its own handle
+        return fn(*args, **kwargs)
+    group = args[index] if len(args) > index else kwargs.get(keyword)
+    group = group if group is not None else dist.group.WORLD
+    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    if not _gloo_cpu(tensors, group):
+        return fn(*args, **kwargs)
+    work = fn(*args, **{**kwargs, "async_op": True})
+    if work is None:  # this rank is not in the group: torch returns at once
+        return None
+    try:
+        future = work.get_future()
+    except RuntimeError:  # an operation whose work has no future: waited on as torch would
+        work.wait()
+        return None
+    pending.watch(future).wait()
+    return None
+
+
+def _tensors(values: list[Any]):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(list(v))
