@@ -58,8 +58,9 @@ class PendingOps:
                 if not self._sources[old]:
                     del self._sources[old]
 
-    def watch(self, source: torch.futures.Future) -> torch.futures.Future:
-        """A future that completes like ``source``, or fails when the generation it runs in is aborted."""
+    def watch(self, source: torch.futures.Future, first: bool = False) -> torch.futures.Future:
+        """A future that completes like ``source`` (with its value's first element if ``first``: a collective's
+        future holds the list of its tensors), or fails when the generation it runs in is aborted."""
         ours: torch.futures.Future = torch.futures.Future()
         with self._lock:
             generation = self._generation
@@ -76,9 +77,11 @@ class PendingOps:
                 if self._waiting.pop(ours, None) is None:
                     return
             try:
-                ours.set_result(done.value())
+                value = done.value()
             except Exception as exc:  # noqa: BLE001 - gloo's own failure, passed on as it is
                 ours.set_exception(exc)
+                return
+            ours.set_result(value[0] if first else value)
 
         source.add_done_callback(finished)
         return ours
@@ -193,7 +196,7 @@ def allreduce_hook(state: tuple[Any, PendingOps], bucket: dist.GradBucket) -> to
     source = work.get_future()
     if faults.take_deaf():  # fault injection: gloo completes the all-reduce, this rank never hears of it
         source = torch.futures.Future()
-    return pending.watch(source).then(_first)
+    return pending.watch(source, first=True)
 
 
 def abortable_hook(hook: Callable[..., torch.futures.Future], pending: PendingOps = PENDING) -> Callable[..., Any]:
@@ -207,11 +210,6 @@ def abortable_hook(hook: Callable[..., torch.futures.Future], pending: PendingOp
 
     wrapped.__qualname__ = getattr(hook, "__qualname__", "hook")
     return wrapped
-
-
-def _first(future: torch.futures.Future) -> torch.Tensor:
-    value = future.value()
-    return value[0] if isinstance(value, list) else value
 
 
 # ------------------------------------------------------------------------------------- the script's collectives
