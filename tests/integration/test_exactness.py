@@ -99,6 +99,9 @@ CASES = {
     # static graph, unused parameters, gradient as bucket view
     "static-graph": (("--static-graph",), ("1:5:forward:sigkill",)),
     "unused-bucket-view": (("--unused", "--bucket-view"), ("0:5:backward:sigkill",)),
+    # the script's own comm hook, registered after swiftrun.Run installed its abortable one (a reducer takes one
+    # hook: swiftrun rebuilds it to carry the script's, watched): same numerics as the failure-free run
+    "comm-hook-after-run": (("--comm-hook", "after"), ("1:5:backward:sigkill",)),
     # collectives after the guard: a metric all-reduce and a checkpoint barrier
     "tail-collectives": (("--tail-allreduce", "--tail-barrier", "--bn"), ("1:7:collective:sigkill",)),
     "dies-saving-a-checkpoint": (("--tail-barrier",), ("0:7:save:sigkill",)),

@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
@@ -66,6 +67,8 @@ def main() -> None:
     p.add_argument("--wide", type=int, default=0, help="add a WIDE x WIDE layer (several rebuilt DDP buckets)")
     p.add_argument("--unused", action="store_true", help="a parameter without gradient (find_unused_parameters)")
     p.add_argument("--bucket-view", action="store_true")
+    p.add_argument("--comm-hook", choices=["none", "before", "after"], default="none",
+                   help="torch's allreduce_hook registered before or after swiftrun.Run")
     p.add_argument("--two-models", action="store_true", help="two DDP modules, two optimizers (GAN-shaped)")
     p.add_argument("--loader-workers", type=int, default=-1, help="-1: no DataLoader")
     p.add_argument("--ema", choices=["none", "registered", "unregistered"], default="none")
@@ -113,8 +116,12 @@ def main() -> None:
     registered_model = {"ddp": models if args.two_models else ddp, "module": model,
                         "compile": torch.compile(ddp, backend="eager")}[args.register]
     forward = registered_model if args.register == "compile" else ddp
+    if args.comm_hook == "before":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     run = swiftrun.Run(model=registered_model, optimizer=optimizers, scheduler=scheduler,
                        state=ema if args.ema == "registered" else None)
+    if args.comm_hook == "after":  # swiftrun installed its own already: DDP allows one per reducer
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
 
     loader = None
     if args.loader_workers >= 0:
