@@ -11,8 +11,9 @@ Two things make that wait end with the abort, whatever gloo does:
 
 - the training thread never waits on a gloo future directly: it waits on a future of ours (:meth:`PendingOps.watch`)
   that completes with gloo's, or fails as soon as the link thread receives ABORT (:meth:`PendingOps.abort`).
-  DDP's gradient all-reduce goes through :func:`allreduce_hook` (installed by runtime/ddp.py ``rebind``), the
-  script's own collectives through :func:`call` (runtime/collectives.py);
+  DDP's gradient all-reduce goes through :func:`allreduce_hook` and its buffer broadcast through
+  :func:`broadcast_coalesced` (both installed by runtime/ddp.py ``rebind``), the script's own collectives through
+  :func:`call` (runtime/collectives.py);
 - a group whose operation may still block a gloo worker thread is never destroyed: ``ProcessGroupGloo``'s
   destructor joins its worker threads, so dropping the last reference would block whoever dropped it for that
   same timeout (measured: 14.7 s with a 15 s timeout, 0.4 s when kept). :func:`keep_forever` holds such groups
@@ -161,9 +162,9 @@ def _gloo_cpu(tensors: list[torch.Tensor], group: Any) -> bool:
 
 # -------------------------------------------------------------------------------------------- DDP's all-reduce
 
-def eligible(ddp: Any) -> bool:
-    """Whether ``ddp``'s gradient all-reduce can run through :func:`allreduce_hook`: gloo, CPU parameters, no
-    sparse gradient, and DDP's scaling reproducible bit for bit (:func:`scaling_is_exact`)."""
+def eligible(ddp: Any, scaling: bool = True) -> bool:
+    """Whether ``ddp``'s collectives can be waited on abortably: gloo, CPU parameters, no sparse gradient, and
+    (``scaling``: for the gradient all-reduce) DDP's scaling reproducible bit for bit (:func:`scaling_is_exact`)."""
     parameters, expect_sparse = ddp._build_params_for_reducer()
     if any(expect_sparse) or any(p.is_cuda for p in parameters) or getattr(ddp, "mixed_precision", None):
         return False
@@ -173,7 +174,7 @@ def eligible(ddp: Any) -> bool:
             return False
     except Exception:  # noqa: BLE001 - a group torch does not know: leave DDP as it is
         return False
-    return scaling_is_exact(ddp, group.size())
+    return not scaling or scaling_is_exact(ddp, group.size())
 
 
 def scaling_is_exact(ddp: Any, group_size: int) -> bool:
@@ -197,6 +198,32 @@ def allreduce_hook(state: tuple[Any, PendingOps], bucket: dist.GradBucket) -> to
     if faults.take_deaf():  # fault injection: gloo completes the all-reduce, this rank never hears of it
         source = torch.futures.Future()
     return pending.watch(source, first=True)
+
+
+def broadcast_coalesced(group: Any, tensors: list[torch.Tensor], bucket_bytes: int, root: int,
+                        pending: PendingOps = PENDING) -> None:
+    """DDP's per-forward buffer broadcast (``dist._broadcast_coalesced``, which waits inside C++), with waits the
+    abort can end: the buffers flattened into buckets of one dtype and at most ``bucket_bytes``, broadcast from
+    ``root`` (a group rank), copied back. A broadcast copies bits, so the result is DDP's own."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or buckets[-1][0].dtype != tensor.dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    flats = [torch._utils._flatten_dense_tensors(bucket) for bucket in buckets]
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    futures = [pending.watch(group.broadcast([flat], opts).get_future()) for flat in flats]
+    for future in futures:
+        future.wait()
+    with torch.no_grad():
+        for bucket, flat in zip(buckets, flats):
+            for tensor, value in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(value)
 
 
 def abortable_hook(hook: Callable[..., torch.futures.Future], pending: PendingOps = PENDING) -> Callable[..., Any]:

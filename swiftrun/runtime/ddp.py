@@ -175,6 +175,14 @@ def _install_comm_hook(ddp: DistributedDataParallel) -> None:
     elif abortable.eligible(ddp):
         dist._register_comm_hook(ddp.reducer, (ddp.process_group, abortable.PENDING), abortable.allreduce_hook)
         ddp.logger._set_comm_hook_name(ABORTABLE_HOOK)  # DDP's logging data says which hook runs
+    if abortable.eligible(ddp, scaling=False):  # the buffers DDP broadcasts from rank 0 before each forward
+        ddp._distributed_broadcast_coalesced = functools.partial(_broadcast_buffers, ddp)
+
+
+def _broadcast_buffers(ddp: DistributedDataParallel, tensors: list, bucket_bytes: int, root: int = 0) -> None:
+    """DDP's ``_distributed_broadcast_coalesced`` (``root``: a rank of DDP's group, as DDP passes it), on the group
+    DDP runs on now, abortable (runtime/abortable.py)."""
+    abortable.broadcast_coalesced(ddp.process_group, list(tensors), bucket_bytes, root)
 
 
 def _late_registration(ddp: DistributedDataParallel, state: object, hook) -> None:

@@ -4,8 +4,9 @@
 
 Scenarios (world 3, gloo on CPU):
   exact  DDP with its built-in all-reduce against the same DDP rebound by swiftrun (runtime/ddp.py ``rebind``:
-         the abortable hook), 5 steps from the same weights and batches: every step's gradients must be equal bit
-         for bit (world 3: DDP's scaling by 1/3 is not a division).
+         the abortable hook and buffer broadcast), 5 steps from the same weights and batches: every step's
+         gradients, and the BatchNorm buffers at the end, must be equal bit for bit (world 3: DDP's scaling by 1/3
+         is not a division).
   deaf   rank 2 never joins the all-reduce: ranks 0 and 1 block in DDP's backward inside gloo, with every
          connection up (what the abort's socket shutdown cannot release: session 4's "deaf survivor"). Another
          thread aborts the pending waits once they exist; the backward must raise, the group be found blocked and
@@ -32,9 +33,11 @@ torch.set_num_threads(1)
 DEADLINE = 20.0  # seconds; the group's collective timeout is far longer, so only the abort can end the waits
 
 
-def model() -> nn.Module:
+def model(bn: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    # BatchNorm: buffers DDP broadcasts from rank 0 before every forward (swiftrun's abortable broadcast)
+    return nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32) if bn else nn.Identity(), nn.ReLU(),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
 
 
 def grads(ddp: DistributedDataParallel, rank: int, steps: int) -> list[torch.Tensor]:
@@ -50,12 +53,15 @@ def grads(ddp: DistributedDataParallel, rank: int, steps: int) -> list[torch.Ten
 
 
 def exact(rank: int) -> dict:
-    builtin = grads(DistributedDataParallel(model(), bucket_cap_mb=0.002), rank, 5)
-    ours = DistributedDataParallel(model(), bucket_cap_mb=0.002)
+    builtin_ddp = DistributedDataParallel(model(bn=True), bucket_cap_mb=0.002)
+    builtin = grads(builtin_ddp, rank, 5)
+    ours = DistributedDataParallel(model(bn=True), bucket_cap_mb=0.002)
     ddp_tools.rebind(ours, None)
     hooked = ours._get_ddp_logging_data().get("comm_hook") == ddp_tools.ABORTABLE_HOOK
     rebound = grads(ours, rank, 5)
-    return {"hooked": hooked, "equal": [bool(torch.equal(a, b)) for a, b in zip(builtin, rebound)]}
+    buffers = [torch.equal(a, b) for a, b in zip(builtin_ddp.module.buffers(), ours.module.buffers())]
+    return {"hooked": hooked, "equal": [bool(torch.equal(a, b)) for a, b in zip(builtin, rebound)],
+            "buffers": bool(buffers) and all(buffers)}
 
 
 def deaf(rank: int, store: dist.Store) -> dict:
