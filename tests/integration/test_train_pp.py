@@ -192,3 +192,20 @@ def test_swiftrun_recovers_interleaved_4_ranks_from_a_kill_in_step_1(pp_runs, tm
     assert failed == [3], failed
     reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
     assert_equal_nested(merged_model(save), reference, "model")
+
+
+@pytest.mark.extended  # tests/integration/test_pipeline.py covers the lockstep replay in the default suite
+@pytest.mark.timeout(300)
+def test_swiftrun_replays_every_replica_of_a_stage_lost_together(pp_runs, tmp_path, marker):
+    """2 stages x 2 replicas (--dp 2), 1F1B, both replicas of the last stage (ranks 1 and 3) SIGKILLed in step 4's
+    backward: each replacement replays from its checkpoint in its own pipeline, the stage's DDP all-reduce live
+    between them. Bitwise torchrun's failure-free run, replicas equal."""
+    reference = pp_runs("torchrun4", "--dp", "2", "--schedule", "1f1b")
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                        "--fault", "1:4:backward:sigkill", "--fault", "3:4:backward:sigkill", str(TRAIN_PP),
+                        *COMMON, "--dp", "2", "--schedule", "1f1b", "--ckpt-every", "3", "--save-dir", str(save)),
+           marker)
+    replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
+    assert sorted(r["rank"] for r in replays) == [1, 3] and all(r["ranks"] == [1, 3] for r in replays), replays
+    assert_equal_nested(load(reference), load(save), "rank files")
