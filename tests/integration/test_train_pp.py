@@ -9,6 +9,8 @@ a few seconds (every rank imports torch), so runs are short and shared between t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, processes_with_marker, run, swiftrun_cmd, wait_until
+from tests.helpers import EXAMPLES, processes_with_marker, run, start, swiftrun_cmd, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -208,4 +210,37 @@ def test_swiftrun_replays_every_replica_of_a_stage_lost_together(pp_runs, tmp_pa
            marker)
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert sorted(r["rank"] for r in replays) == [1, 3] and all(r["ranks"] == [1, 3] for r in replays), replays
+    assert_equal_nested(load(reference), load(save), "rank files")
+
+
+@pytest.mark.extended  # a long replay to interrupt, with a reference of its own
+@pytest.mark.timeout(300)
+def test_a_lockstep_replay_interrupted_by_a_replacements_death_is_replayed_again(pp_runs, tmp_path, marker):
+    """Both replicas of stage 0 killed at step 28 (checkpoints every 30: the replay runs steps 0..27), then the
+    replacement of rank 2 SIGKILLed from outside as soon as the `replay` event shows: rank 0's replacement is
+    blocked in the stage's all-reduce with it; the abort releases it and the next generation replays both again,
+    bitwise torchrun's failure-free run."""
+    args = ("--dp", "2", "--schedule", "1f1b", "--steps", "34")
+    reference = pp_runs("torchrun4", *args)
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    proc = start(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                              "--fault", "0:28:forward:sigkill", "--fault", "2:28:forward:sigkill", str(TRAIN_PP),
+                              *COMMON, *args, "--ckpt-every", "30", "--save-dir", str(save)), marker)
+    try:
+        def records() -> list[dict]:
+            return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+
+        wait_until(lambda: any(r["event"] == "replay" for r in records()), timeout=200, interval=0.005,
+                   what="the lockstep replay")
+        pid = [r["pid"] for r in records() if r["event"] == "worker_state" and r.get("rank") == 2 and r.get("pid")][-1]
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-4000:]
+    generations = sorted({r["generation"] for r in records() if r["event"] == "replay"})
+    assert len(generations) == 2, f"the replay was not interrupted and run again: {generations}"
+    assert all(r["ranks"] == [0, 2] for r in records() if r["event"] == "replay")
     assert_equal_nested(load(reference), load(save), "rank files")
