@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, run, swiftrun_cmd
+from tests.helpers import REPO, kill_together_once_stopped, run, start, swiftrun_cmd
 
 pytestmark = pytest.mark.integration
 
@@ -202,33 +202,45 @@ def test_stage_with_a_replica_recovers_from_it(tmp_path, reference):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage, fault_at, script", [
+@pytest.mark.parametrize("stage, stop_at, script", [
     (0, "6:forward", ()),  # the first stage: its replicas read the logged gradients of stage 1
     # the last stage, in backward, with a pipeline-wide grad-norm all-reduce served from the logs while the
     # stage's DDP all-reduce runs live, under GPipe (extended: a reference run of its own)
     pytest.param(1, "5:backward", ("--clip", "0.5", "--schedule", "gpipe"), marks=pytest.mark.extended),
 ])
-def test_every_replica_of_a_stage_lost_together_replays_in_lockstep(tmp_path, reference, marker, stage, fault_at,
+def test_every_replica_of_a_stage_lost_together_replays_in_lockstep(tmp_path, reference, marker, stage, stop_at,
                                                                      script):
-    """2 stages x 2 replicas, both replicas of one stage SIGKILLed at the same step: nobody holds that stage's
+    """2 stages x 2 replicas, both replicas of one stage SIGKILLed at the same instant: nobody holds that stage's
     state, so each replacement replays it from its checkpoint in its own pipeline's next rank, served from that
     pipeline's logs, while the stage's DDP gradient all-reduce runs live between the two replacements. Bitwise
-    the failure-free run; the other stage's ranks keep their processes."""
+    the failure-free run; the other stage's ranks keep their processes.
+
+    The same instant, deterministically: each of the two ranks stops itself (SIGSTOP fault) at the same point of
+    the same step; once the kernel reports both stopped the test SIGKILLs them back to back. (Two sigkill faults
+    can land apart: a rank that lags is aborted at its next step start, recovers from its dying replica, and the
+    replica path runs instead.)"""
     script = ("--dp", "2", *script)
     ref = reference(script)
     lost = (stage, stage + 2)
-    faults = [arg for r in lost for arg in ("--fault", f"{r}:{fault_at}:sigkill")]
-    proc = run(launch(tmp_path, *faults, script=script), marker=marker, timeout=220)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stops = [arg for r in lost for arg in ("--fault", f"{r}:{stop_at}:sigstop")]
+    proc = start(launch(tmp_path, *stops, script=script), marker)
+    try:
+        kill_together_once_stopped(tmp_path / "events.jsonl", lost, timeout=150)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-3000:]
     ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
     assert ended[-1]["outcome"] == "recovered" and ended[-1]["mode"] == "replay", ended
     replays = [r for r in records(tmp_path) if r["event"] == "replay"]
     assert sorted(r["rank"] for r in replays) == list(lost) and all(r["ranks"] == list(lost) for r in replays), replays
-    pids: dict[int, set[int]] = {}
+    survivors: dict[int, set[int]] = {}
     for r in records(tmp_path):
         if r["event"] == "worker_state" and r.get("rank") not in (None, *lost) and r.get("pid"):
-            pids.setdefault(r["rank"], set()).add(r["pid"])
-    assert sorted(pids) == [1 - stage, 3 - stage] and all(len(p) == 1 for p in pids.values()), pids
+            survivors.setdefault(r["rank"], set()).add(r["pid"])
+    assert sorted(survivors) == [1 - stage, 3 - stage] and all(len(p) == 1 for p in survivors.values()), survivors
     assert_same(tmp_path, ref)
 
 

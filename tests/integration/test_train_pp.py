@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, processes_with_marker, run, start, swiftrun_cmd, wait_until
+from tests.helpers import (EXAMPLES, kill_together_once_stopped, processes_with_marker, run, start,
+                           swiftrun_cmd, wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -199,15 +200,23 @@ def test_swiftrun_recovers_interleaved_4_ranks_from_a_kill_in_step_1(pp_runs, tm
 @pytest.mark.extended  # tests/integration/test_pipeline.py covers the lockstep replay in the default suite
 @pytest.mark.timeout(300)
 def test_swiftrun_replays_every_replica_of_a_stage_lost_together(pp_runs, tmp_path, marker):
-    """2 stages x 2 replicas (--dp 2), 1F1B, both replicas of the last stage (ranks 1 and 3) SIGKILLed in step 4's
-    backward: each replacement replays from its checkpoint in its own pipeline, the stage's DDP all-reduce live
+    """2 stages x 2 replicas (--dp 2), 1F1B, both replicas of the last stage (ranks 1 and 3) SIGKILLed together in
+    step 4's backward: each replacement replays from its checkpoint in its own pipeline, the stage's DDP all-reduce live
     between them. Bitwise torchrun's failure-free run, replicas equal."""
     reference = pp_runs("torchrun4", "--dp", "2", "--schedule", "1f1b")
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
-                        "--fault", "1:4:backward:sigkill", "--fault", "3:4:backward:sigkill", str(TRAIN_PP),
-                        *COMMON, "--dp", "2", "--schedule", "1f1b", "--ckpt-every", "3", "--save-dir", str(save)),
-           marker)
+    proc = start(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                              "--fault", "1:4:backward:sigstop", "--fault", "3:4:backward:sigstop", str(TRAIN_PP),
+                              *COMMON, "--dp", "2", "--schedule", "1f1b", "--ckpt-every", "3", "--save-dir",
+                              str(save)), marker)
+    try:
+        kill_together_once_stopped(events, (1, 3), timeout=150)  # at the same instant (tests/helpers.py)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-4000:]
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert sorted(r["rank"] for r in replays) == [1, 3] and all(r["ranks"] == [1, 3] for r in replays), replays
     assert_equal_nested(load(reference), load(save), "rank files")
@@ -257,9 +266,18 @@ def test_three_replicas_of_a_stage_replay_with_the_bucket_layout_of_their_checkp
     args = ("--dp", "3", "--schedule", "1f1b", "--hidden", "512")
     reference = pp_runs("torchrun6", *args)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    faults = [arg for r in (0, 2, 4) for arg in ("--fault", f"{r}:5:forward:sigkill")]
-    launch(swiftrun_cmd("--nproc-per-node", "6", "--no-dashboard", "--spares", "0", "--event-log", str(events),
-                        *faults, str(TRAIN_PP), *COMMON, *args, "--ckpt-every", "3", "--save-dir", str(save)), marker)
+    stops = [arg for r in (0, 2, 4) for arg in ("--fault", f"{r}:5:forward:sigstop")]
+    proc = start(swiftrun_cmd("--nproc-per-node", "6", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                              *stops, str(TRAIN_PP), *COMMON, *args, "--ckpt-every", "3", "--save-dir", str(save)),
+                 marker)
+    try:
+        kill_together_once_stopped(events, (0, 2, 4), timeout=150)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-4000:]
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert replays and all(r["ranks"] == [0, 2, 4] for r in replays), replays
     assert_equal_nested(load(reference), load(save), "rank files")
