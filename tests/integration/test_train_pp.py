@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from tests.helpers import EXAMPLES, processes_with_marker, run, swiftrun_cmd, wait_until
-from tests.helpers import kill_together_once_stopped, start  # several ranks lost at the same instant
 
 pytestmark = pytest.mark.integration
 
@@ -203,6 +202,8 @@ def test_swiftrun_replays_every_replica_of_a_stage_lost_together(pp_runs, tmp_pa
     """2 stages x 2 replicas (--dp 2), 1F1B, both replicas of the last stage (ranks 1 and 3) SIGKILLed together in
     step 4's backward: each replacement replays from its checkpoint in its own pipeline, the stage's DDP all-reduce live
     between them. Bitwise torchrun's failure-free run, replicas equal."""
+    from tests.helpers import kill_together_once_stopped, start
+
     reference = pp_runs("torchrun4", "--dp", "2", "--schedule", "1f1b")
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
     proc = start(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
@@ -225,17 +226,21 @@ def test_swiftrun_replays_every_replica_of_a_stage_lost_together(pp_runs, tmp_pa
 @pytest.mark.extended  # a long replay to interrupt, with a reference of its own
 @pytest.mark.timeout(300)
 def test_a_lockstep_replay_interrupted_by_a_replacements_death_is_replayed_again(pp_runs, tmp_path, marker):
-    """Both replicas of stage 0 killed at step 28 (checkpoints every 30: the replay runs steps 0..27), then the
+    """Both replicas of stage 0 killed together at step 28 (checkpoints every 30: the replay runs steps 0..27), then the
     replacement of rank 2 SIGKILLed from outside as soon as the `replay` event shows: rank 0's replacement is
     blocked in the stage's all-reduce with it; the abort releases it and the next generation replays both again,
     bitwise torchrun's failure-free run."""
+    from tests.helpers import kill_together_once_stopped, start
+
     args = ("--dp", "2", "--schedule", "1f1b", "--steps", "34")
     reference = pp_runs("torchrun4", *args)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
     proc = start(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
-                              "--fault", "0:28:forward:sigkill", "--fault", "2:28:forward:sigkill", str(TRAIN_PP),
+                              "--fault", "0:28:forward:sigstop", "--fault", "2:28:forward:sigstop", str(TRAIN_PP),
                               *COMMON, *args, "--ckpt-every", "30", "--save-dir", str(save)), marker)
     try:
+        kill_together_once_stopped(events, (0, 2), timeout=150)
+
         def records() -> list[dict]:
             return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
 
@@ -263,6 +268,8 @@ def test_three_replicas_of_a_stage_replay_with_the_bucket_layout_of_their_checkp
     rounds differently with other buckets, so the replacements' fresh reducers must run the layout of the
     checkpoint's step (carried in the stage checkpoint): without it the run ended 1.4e-7 relative off (measured
     by disabling the rebind), with it bitwise torchrun's run."""
+    from tests.helpers import kill_together_once_stopped, start
+
     args = ("--dp", "3", "--schedule", "1f1b", "--hidden", "512")
     reference = pp_runs("torchrun6", *args)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
