@@ -244,6 +244,31 @@ def test_every_replica_of_a_stage_lost_together_replays_in_lockstep(tmp_path, re
     assert_same(tmp_path, ref)
 
 
+@pytest.mark.extended  # the refusal is a pure plan (tests/unit/test_pp_plan.py); this is the end to end path
+@pytest.mark.timeout(240)
+def test_every_replica_of_a_stage_and_one_replica_of_its_neighbour_restart_every_worker(tmp_path, reference, marker):
+    """Ranks 0 and 2 (stage 0) and rank 1 (stage 1 of replica 0) lost at the same instant: rank 0's replay needs
+    the gradients rank 1 logged, lost with it, so rank 1 would have to replay too, while its replica rank 3 keeps
+    its state and cannot run the stage's all-reduce of those steps again. The plan refuses with that reason and,
+    with --max-restarts 1, every worker restarts (from scratch: the script keeps no checkpoint): bitwise the
+    failure-free run, never a silently wrong model."""
+    script = ("--dp", "2")
+    ref = reference(script)
+    stops = ["--fault", "0:6:forward:sigstop", "--fault", "2:6:forward:sigstop", "--fault", "1:5:after-step:sigstop"]
+    proc = start(launch(tmp_path, "--max-restarts", "1", *stops, script=script), marker)
+    try:
+        kill_together_once_stopped(tmp_path / "events.jsonl", (0, 1, 2), timeout=150)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-3000:]
+    assert "replica(s) 3 survive" in out + err, (out + err)[-3000:]
+    assert [r["event"] for r in records(tmp_path)].count("restart") == 1
+    assert_same(tmp_path, ref)
+
+
 @pytest.mark.timeout(240)
 def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference):
     """A 10 KiB budget logs one boundary of three: groups [0,1] [2,3]. Killing rank 2 replays ranks 2 and 3
