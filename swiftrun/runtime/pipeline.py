@@ -289,15 +289,15 @@ class Pipeline:
         key = (self.rec.step, self._coll_seq)
         self._coll_seq += 1
         outputs = _outputs(name, args, kwargs)
-        if self.replay is not None and not _members(name, args, kwargs, self.rec.world_size) <= self.replay["together"]:
+        if self.replay is not None and not _members(args, kwargs, self.rec.world_size) <= self.replay["together"]:
             # a collective with ranks that do not replay: its result comes from a neighbour's log, which is this
             # call's result only if that neighbour took part in it (a pipeline-wide one, not another stage's
             # data-parallel one). One among replaying ranks only (the replicas of a stage replaying in lockstep,
             # or the whole job) runs live.
             server = self.replay["server"]
-            if server is None or server not in _members(name, args, kwargs, self.rec.world_size):
+            if server is None or server not in _members(args, kwargs, self.rec.world_size):
                 raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step on a group of ranks "
-                                    f"{sorted(_members(name, args, kwargs, self.rec.world_size))}: it has ranks that "
+                                    f"{sorted(_members(args, kwargs, self.rec.world_size))}: it has ranks that "
                                     "do not replay, and no neighbour serving this replay's logs took part in it")
             if name not in _LOGGED_COLLECTIVES:
                 raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step (only {', '.join(_LOGGED_COLLECTIVES)} are logged)")
@@ -585,10 +585,12 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _members(name: str, args: tuple, kwargs: dict, world_size: int) -> set[int]:
-    """The global ranks of the group a collective runs on (by torch.distributed's signatures)."""
-    index = 0 if name == "barrier" else 2
-    group = args[index] if len(args) > index else kwargs.get("group")
+def _members(args: tuple, kwargs: dict, world_size: int) -> set[int]:
+    """The global ranks of the group a collective runs on: its ``group`` argument, passed by name or among the
+    positional ones (whose place differs between collectives), else the default group."""
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
     if group is None or group is dist.group.WORLD:
         return set(range(world_size))
     return set(dist.get_process_group_ranks(group))
