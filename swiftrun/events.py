@@ -26,7 +26,9 @@ class EventName(str, enum.Enum):
     RECOVERY_PHASE = "recovery_phase"  # generation, phase, start (t of phase start), duration
     RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, failed_ranks, undo
     LOG_PLAN = "log_plan"  # pipelines: the logging groups chosen under --log-budget and their predicted cost
-    REPLAY = "replay"  # generation, rank, first, last: a pipeline stage replays these steps alone
+    # generation, rank, ranks (every rank replaying with it: its logging group, or the replicas of its stage
+    # replaying in lockstep), first, last, helpers: a pipeline stage replays these steps
+    REPLAY = "replay"
     RESTART = "restart"  # attempt, reason
     WARNING = "warning"  # rank, message: recovery would not be exact, a collective was skipped
     JOB_END = "job_end"  # outcome, exit_code, duration, failures, time_lost

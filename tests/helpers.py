@@ -95,3 +95,28 @@ def kill_marked(marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_together_once_stopped(events: Path, ranks: tuple[int, ...], timeout: float) -> None:
+    """SIGKILL the processes of ``ranks`` back to back once the kernel reports every one stopped (each ran into a
+    ``sigstop`` fault): a loss of several ranks at the same instant, whatever the machine's load. Their pids come
+    from the event log's worker_state records. Do it within the heartbeat timeout, after which the launcher reaps
+    a stopped rank itself."""
+    import json
+
+    from swiftrun.launcher.procs import is_stopped
+
+    def pids() -> dict[int, int]:
+        if not events.exists():
+            return {}
+        found = {}
+        for line in events.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get("event") == "worker_state" and record.get("rank") in ranks and record.get("pid"):
+                found[record["rank"]] = record["pid"]
+        return found
+
+    wait_until(lambda: len(pids()) == len(ranks) and all(is_stopped(p) for p in pids().values()), timeout=timeout,
+               what=f"ranks {list(ranks)} stopped at their faults")
+    for pid in pids().values():
+        os.kill(pid, signal.SIGKILL)

@@ -289,7 +289,16 @@ class Pipeline:
         key = (self.rec.step, self._coll_seq)
         self._coll_seq += 1
         outputs = _outputs(name, args, kwargs)
-        if self.replay is not None and not self.replay["everyone"]:
+        if self.replay is not None and not _members(args, kwargs, self.rec.world_size) <= self.replay["together"]:
+            # a collective with ranks that do not replay: its result comes from a neighbour's log, which is this
+            # call's result only if that neighbour took part in it (a pipeline-wide one, not another stage's
+            # data-parallel one). One among replaying ranks only (the replicas of a stage replaying in lockstep,
+            # or the whole job) runs live.
+            server = self.replay["server"]
+            if server is None or server not in _members(args, kwargs, self.rec.world_size):
+                raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step on a group of ranks "
+                                    f"{sorted(_members(args, kwargs, self.rec.world_size))}: it has ranks that "
+                                    "do not replay, and no neighbour serving this replay's logs took part in it")
             if name not in _LOGGED_COLLECTIVES:
                 raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step (only {', '.join(_LOGGED_COLLECTIVES)} are logged)")
             logged = self.replay["coll"].get(key)
@@ -369,8 +378,11 @@ class Pipeline:
         started = time.monotonic()
         # this rank's own copies are earlier snapshots: their buffers must not be written
         keep = tuple(own[1].flat for own in (self.own, self.own_prev) if own is not None)
-        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state()},
-                                           keep)
+        # the DDP bucket layouts this step runs with: a stage whose every replica replays from this checkpoint
+        # rebinds its reducers with them, so its all-reduce sums what the failure-free run summed (ddp.py)
+        layouts = self.rec.next_layouts(step - 1) if self.rec.reg.ddps else None
+        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state(),
+                                            "layouts": layouts}, keep)
         log.debug("stage checkpoint of step %d: snapshot in %.3fs", step, time.monotonic() - started)
         self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=ready,
                             install=lambda s, received, sent: self._install(prev, s, received, sent))
@@ -438,8 +450,12 @@ class Pipeline:
         st.install(self.rec.reg, loaded["tree"])
         set_rng_state(loaded["rng"])
         self.replay = {"start": replay.start, "until": point, "log": logs, "coll": coll,
-                       "live": set(replay.stages), "everyone": len(replay.ranks) == self.rec.world_size,
-                       "ranks": list(replay.ranks),
+                       "live": set(replay.stages), "together": set(replay.together or replay.ranks),
+                       # the neighbour whose logged collective results this replay is served (pp_handover)
+                       "server": replay.peers[0] if replay.peers else None,
+                       # the DDP bucket layouts of the checkpoint's step (runtime/recovery.py rebinds with them)
+                       "layouts": loaded.get("layouts"),
+                       "ranks": list(replay.together or replay.ranks),
                        "started": time.monotonic()}
         self.log.clear()
         self.coll.clear()
@@ -567,6 +583,17 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
         out.copy_(t, non_blocking=True)
     t.record_stream(side)
     return out
+
+
+def _members(args: tuple, kwargs: dict, world_size: int) -> set[int]:
+    """The global ranks of the group a collective runs on: its ``group`` argument, passed by name or among the
+    positional ones (whose place differs between collectives), else the default group."""
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    if group is None or group is dist.group.WORLD:
+        return set(range(world_size))
+    return set(dist.get_process_group_ranks(group))
 
 
 def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:

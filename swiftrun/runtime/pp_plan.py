@@ -15,7 +15,15 @@ the *same* stages (data-parallel replicas of a stage, in a DP x PP job) hold the
 What replays together is a *replay set*: the lost rank's logging group (selective logging leaves the boundaries
 inside a group unlogged, so a group's surviving members roll back to their own checkpoint copy and replay with
 it, talking live among themselves). Sets grow when a rank whose logs they need is itself lost (two adjacent
-stages lost together: both replay, from their checkpoints). Every member must find a checkpoint of the same step
+stages lost together: both replay, from their checkpoints).
+
+When every data-parallel replica of a stage is lost together (a DP x PP job), each replica's rank replays in its
+own pipeline replica (a set per pipeline: its neighbours there serve its logs), and the sets that share a stage
+class replay in *lockstep*: the same steps from the same checkpoint step, the stage's gradient all-reduce running
+live between them (``Replay.together``). That is exact only if *every* replica of each replayed stage replays:
+a set that would replay one replica while another survives (a replica lost with the neighbour whose logs it
+needs, or rolled back by its logging group) is refused, since the survivor cannot run the all-reduce of steps it
+already took. Every member must find a checkpoint of the same step
 (its own copy, the copy its holder keeps, or the stage checkpoint directory; the newest step every member has,
 since a checkpoint exchange interrupted by the failure leaves some with the new step and some with only the
 previous one); when none exists the plan raises
@@ -61,6 +69,9 @@ class Replay:
     sources: tuple[tuple[int, int], ...]  # (member, where its checkpoint comes from: a rank, itself, or DISK)
     peers: tuple[int, ...]  # ranks outside the set next to it: they serve the logged activations and gradients
     stages: tuple[int, ...]  # every stage index the set runs
+    # the ranks of every set replaying in lockstep with this one (the replicas of its stages, in their own
+    # pipelines: the stage's data-parallel all-reduce runs live between them); just ``ranks`` otherwise
+    together: tuple[int, ...] = ()
 
     def source_of(self, rank: int) -> int:
         return dict(self.sources)[rank]
@@ -85,7 +96,8 @@ class PipePlan:
     def as_dict(self) -> dict:
         return {"point": self.point, "mode": self.mode, "undo": list(self.undo),
                 "copies": [[s, list(t)] for s, t in self.copies],
-                "replays": [{"ranks": list(r.ranks), "from": r.start, "to": self.point} for r in self.replays],
+                "replays": [{"ranks": list(r.ranks), "from": r.start, "to": self.point, "together": list(r.together)}
+                            for r in self.replays],
                 "notes": list(self.notes), "source": self.copies[0][0] if self.copies else None,
                 "targets": sorted({t for _, ts in self.copies for t in ts} | {m for r in self.replays
                                                                              for m in r.ranks})}
@@ -122,12 +134,9 @@ def plan_pipeline(statuses: list[StageStatus], groups: tuple[tuple[int, ...], ..
             if gone:
                 copies.append((min(s.rank for s in alive), gone))
             continue
-        if len(members) > 1:
-            raise RecoveryError(
-                f"every replica of stage(s) {list(stages)} was lost together: replaying several replicas of a "
-                "stage is not supported")
-        lost.append(members[0].rank)
+        lost.extend(s.rank for s in members)  # every replica: they replay in lockstep (see the docstring)
     notes: list[str] = []
+    fresh: list[int] = []
     if point < 0:
         # nothing was trained: a replacement's own state is the stage's initial state (the script built it with
         # the same seed), and before the first step's checkpoint exchange nobody holds a copy to replay from
@@ -137,7 +146,12 @@ def plan_pipeline(statuses: list[StageStatus], groups: tuple[tuple[int, ...], ..
             notes.append(f"rank(s) {', '.join(map(str, fresh))} start from the script's initial state: no step "
                          "was trained")
     sets = _replay_sets(lost, by_rank, groups)
-    replays = tuple(_replay(members, by_rank, point) for members in sets)
+    _check_replicas(sets, classes, set(fresh))
+    replays = tuple(r for component in _lockstep(sets, by_rank) for r in _replays(component, by_rank, point))
+    # a lost replica that replays with its whole stage class (a logging group rolled its survivors back) needs no
+    # copy of a survivor's state: the replay rebuilds it
+    replaying = {m for r in replays for m in r.ranks}
+    copies = [(source, targets) for source, targets in copies if not set(targets) & replaying]
     return PipePlan(point, tuple(undo), tuple(copies), replays, tuple(notes),
                     verify_next=any(s.outside_step for s in statuses))
 
@@ -188,9 +202,42 @@ def _replay_sets(lost: list[int], by_rank: dict[int, StageStatus],
     return sorted(sets, key=min)
 
 
-def _replay(members: set[int], by_rank: dict[int, StageStatus], point: int) -> Replay:
-    label = "rank(s) " + ", ".join(map(str, sorted(members)))
-    options = {m: _checkpoints(m, by_rank, label) for m in sorted(members)}  # member -> step -> source
+def _check_replicas(sets: list[set[int]], classes: dict[tuple[int, ...], list[StageStatus]],
+                    fresh: set[int]) -> None:
+    """Refuse a replay of some but not all replicas of a stage: its data-parallel all-reduce would need a
+    surviving replica to run again steps it already took. (A fresh rank, nothing trained, replays no step.)"""
+    replaying = set().union(*sets) if sets else set()
+    for members in sets:
+        for m in sorted(members):
+            stages = next(k for k, ranks in classes.items() if any(s.rank == m for s in ranks))
+            outside = [s.rank for s in classes[stages] if s.rank not in replaying and s.rank not in fresh]
+            if outside:
+                why = ("it rolls back with its logging group" if any(s.rank == m and s.valid for s in classes[stages])
+                       else "the logs it needs were lost with it")
+                raise RecoveryError(
+                    f"rank {m} (stage(s) {list(stages)}) must replay with rank(s) "
+                    f"{', '.join(map(str, sorted(members - {m}))) or 'none'} ({why}), but its data-parallel "
+                    f"replica(s) {', '.join(map(str, outside))} survive: a stage's gradient all-reduce can only be "
+                    "replayed by all its replicas together")
+
+
+def _lockstep(sets: list[set[int]], by_rank: dict[int, StageStatus]) -> list[list[set[int]]]:
+    """The replay sets grouped into components that share a stage class (replicas of one stage, each in its own
+    pipeline): a component replays in lockstep. Alone in its component, a set replays as it always did."""
+    components: list[list[set[int]]] = []
+    for members in sets:
+        classes = {by_rank[m].stages for m in members}
+        joined = [c for c in components if any(by_rank[m].stages in classes for other in c for m in other)]
+        merged = [members] + [s for c in joined for s in c]
+        components = [c for c in components if not any(c is j for j in joined)] + [merged]
+    return sorted((sorted(c, key=min) for c in components), key=lambda c: min(c[0]))
+
+
+def _replays(component: list[set[int]], by_rank: dict[int, StageStatus], point: int) -> list[Replay]:
+    """The component's replays, all from one checkpoint step: the newest every member has, not past the point."""
+    everyone = sorted(set().union(*component))
+    label = "rank(s) " + ", ".join(map(str, everyone))
+    options = {m: _checkpoints(m, by_rank, label) for m in everyone}  # member -> step -> source
     common = set.intersection(*(set(o) for o in options.values()))
     if not common:
         raise RecoveryError(f"{label} must replay together, but their checkpoints are of different steps "
@@ -199,13 +246,19 @@ def _replay(members: set[int], by_rank: dict[int, StageStatus], point: int) -> R
     if not usable:
         raise RecoveryError(f"the checkpoint of {label} is at step {min(common)}, past the recovery point {point}")
     start = max(usable)  # the newest: the shortest replay
-    sources = [(m, options[m][start]) for m in sorted(members)]
-    peers = _peers(members, by_rank)
-    for rank in sorted(peers):
-        if start <= point and by_rank[rank].log_start > start:
-            raise RecoveryError(f"rank {rank} no longer holds the logs of step {start} that replaying {label} needs")
-    stages = tuple(sorted(stage for m in members for stage in by_rank[m].stages))
-    return Replay(tuple(sorted(members)), start, tuple(sources), tuple(sorted(peers)), stages)
+    replays = []
+    for members in component:
+        name = "rank(s) " + ", ".join(map(str, sorted(members)))
+        sources = [(m, options[m][start]) for m in sorted(members)]
+        peers = _peers(members, by_rank)
+        for rank in sorted(peers):
+            if start <= point and by_rank[rank].log_start > start:
+                raise RecoveryError(f"rank {rank} no longer holds the logs of step {start} that replaying {name} "
+                                    "needs")
+        stages = tuple(sorted(stage for m in members for stage in by_rank[m].stages))
+        replays.append(Replay(tuple(sorted(members)), start, tuple(sources), tuple(sorted(peers)), stages,
+                              together=tuple(everyone)))
+    return replays
 
 
 def _checkpoints(m: int, by_rank: dict[int, StageStatus], label: str) -> dict[int, int]:

@@ -364,7 +364,7 @@ class Recovery:
         t = time.monotonic()
         device = self.group.device()
         own_rng = self.txn.rng_for(plan.point + 1)
-        layouts = self._next_layouts(plan.point)
+        layouts = self.next_layouts(plan.point)
         for source, targets in plan.copies:  # every rank creates every group, in the same order
             members = sorted({source, *targets})
             group = self.group.new_group(members)
@@ -376,6 +376,11 @@ class Recovery:
         for ddp, layout in zip(self.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
             rebind(ddp, layout)
         replaying = hand_over(pp, plan)
+        if replaying is not None and pp.replay is not None and pp.replay["layouts"] is not None:
+            # every replica of this stage replays from the checkpoint's step (pp_plan.py): the reducers run the
+            # layout of that step, as the failure-free run did, not the one of the step after the point
+            for ddp, layout in zip(self.reg.ddps, pp.replay["layouts"]):
+                rebind(ddp, layout)
         phases["transfer"] = time.monotonic() - t
         self._records.clear()
         self.reg.clear_grads()
@@ -465,7 +470,7 @@ class Recovery:
         statuses = [RankStatus.unpack(row.tolist()) for row in rows]
         return plan_recovery(statuses, self.mode)
 
-    def _next_layouts(self, point: int) -> list:
+    def next_layouts(self, point: int) -> list:
         """The bucket layout each DDP wrapper must be rebound with to redo step ``point + 1`` (ddp.next_layout)."""
         return [ddp_tools.next_layout(d, o, point) for d, o in zip(self.reg.ddps, self._orders)]
 
@@ -477,7 +482,7 @@ class Recovery:
         device = self.group.device()
         box: list[Any] = [None]
         if self.rank == source:
-            box[0] = {"layouts": self._next_layouts(point), "rng": self.txn.rng_for(point + 1) or rng_state()}
+            box[0] = {"layouts": self.next_layouts(point), "rng": self.txn.rng_for(point + 1) or rng_state()}
         dist.broadcast_object_list(box, src=source, group=group, device=device if device.type == "cuda" else None)
         return box[0]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, run, swiftrun_cmd
+from tests.helpers import REPO, kill_together_once_stopped, run, start, swiftrun_cmd
 
 pytestmark = pytest.mark.integration
 
@@ -198,6 +198,74 @@ def test_stage_with_a_replica_recovers_from_it(tmp_path, reference):
     assert [(r["outcome"], r["mode"], r["source_rank"]) for r in ended] == [("recovered", "replica", 1)], ended
     assert not any(r["event"] == "replay" for r in records(tmp_path))
     assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, 3).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage, stop_at, script", [
+    (0, "6:forward", ()),  # the first stage: its replicas read the logged gradients of stage 1
+    # the last stage, in backward, with a pipeline-wide grad-norm all-reduce served from the logs while the
+    # stage's DDP all-reduce runs live, under GPipe (extended: a reference run of its own)
+    pytest.param(1, "5:backward", ("--clip", "0.5", "--schedule", "gpipe"), marks=pytest.mark.extended),
+])
+def test_every_replica_of_a_stage_lost_together_replays_in_lockstep(tmp_path, reference, marker, stage, stop_at,
+                                                                     script):
+    """2 stages x 2 replicas, both replicas of one stage SIGKILLed at the same instant: nobody holds that stage's
+    state, so each replacement replays it from its checkpoint in its own pipeline's next rank, served from that
+    pipeline's logs, while the stage's DDP gradient all-reduce runs live between the two replacements. Bitwise
+    the failure-free run; the other stage's ranks keep their processes.
+
+    The same instant, deterministically: each of the two ranks stops itself (SIGSTOP fault) at the same point of
+    the same step; once the kernel reports both stopped the test SIGKILLs them back to back. (Two sigkill faults
+    can land apart: a rank that lags is aborted at its next step start, recovers from its dying replica, and the
+    replica path runs instead.)"""
+    script = ("--dp", "2", *script)
+    ref = reference(script)
+    lost = (stage, stage + 2)
+    stops = [arg for r in lost for arg in ("--fault", f"{r}:{stop_at}:sigstop")]
+    proc = start(launch(tmp_path, *stops, script=script), marker)
+    try:
+        kill_together_once_stopped(tmp_path / "events.jsonl", lost, timeout=150)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert ended[-1]["outcome"] == "recovered" and ended[-1]["mode"] == "replay", ended
+    replays = [r for r in records(tmp_path) if r["event"] == "replay"]
+    assert sorted(r["rank"] for r in replays) == list(lost) and all(r["ranks"] == list(lost) for r in replays), replays
+    survivors: dict[int, set[int]] = {}
+    for r in records(tmp_path):
+        if r["event"] == "worker_state" and r.get("rank") not in (None, *lost) and r.get("pid"):
+            survivors.setdefault(r["rank"], set()).add(r["pid"])
+    assert sorted(survivors) == [1 - stage, 3 - stage] and all(len(p) == 1 for p in survivors.values()), survivors
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.extended  # the refusal is a pure plan (tests/unit/test_pp_plan.py); this is the end to end path
+@pytest.mark.timeout(240)
+def test_every_replica_of_a_stage_and_one_replica_of_its_neighbour_restart_every_worker(tmp_path, reference, marker):
+    """Ranks 0 and 2 (stage 0) and rank 1 (stage 1 of replica 0) lost at the same instant: rank 0's replay needs
+    the gradients rank 1 logged, lost with it, so rank 1 would have to replay too, while its replica rank 3 keeps
+    its state and cannot run the stage's all-reduce of those steps again. The plan refuses with that reason and,
+    with --max-restarts 1, every worker restarts (from scratch: the script keeps no checkpoint): bitwise the
+    failure-free run, never a silently wrong model."""
+    script = ("--dp", "2")
+    ref = reference(script)
+    stops = ["--fault", "0:6:forward:sigstop", "--fault", "2:6:forward:sigstop", "--fault", "1:5:after-step:sigstop"]
+    proc = start(launch(tmp_path, "--max-restarts", "1", *stops, script=script), marker)
+    try:
+        kill_together_once_stopped(tmp_path / "events.jsonl", (0, 1, 2), timeout=150)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-3000:]
+    assert "replica(s) 3 survive" in out + err, (out + err)[-3000:]
+    assert [r["event"] for r in records(tmp_path)].count("restart") == 1
     assert_same(tmp_path, ref)
 
 

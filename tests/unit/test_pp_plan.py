@@ -96,11 +96,85 @@ def test_a_stage_with_a_surviving_replica_copies_it():
     assert plan.copies == ((1, (3,)),) and not plan.replays and plan.mode == "replica"
 
 
-def test_every_replica_of_a_stage_lost_is_refused():
-    pipes = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
-    statuses = [status(r, stages=(r % 2,), pipe=pipes[r], valid=r not in (1, 3)) for r in range(4)]
-    with pytest.raises(RecoveryError, match="every replica"):
-        plan_pipeline(statuses)
+DP2_PIPES = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}  # 2 stages x 2 replicas: rank r is stage r % 2
+
+
+def dp2(lost, **per_rank):
+    """The statuses of a 2 x 2 DP x PP job with ``lost`` replaced; ``per_rank``: {"r3": {field: value}}."""
+    from dataclasses import replace
+
+    rows = []
+    for r in range(4):
+        row = status(r, stages=(r % 2,), pipe=DP2_PIPES[r], valid=r not in lost,
+                     updates=-1 if r in lost else 5)
+        rows.append(replace(row, **per_rank.get(f"r{r}", {})))
+    return rows
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_every_replica_of_a_stage_lost_replays_in_lockstep_each_in_its_own_pipeline(stage):
+    """Both replicas of a stage lost together: one replay set per replica, each served by its own pipeline's
+    neighbour (which also holds its checkpoint), the two in lockstep (one start step; the stage's DDP all-reduce
+    runs live between them)."""
+    lost = (stage, stage + 2)
+    plan = plan_pipeline(dp2(lost))
+    assert plan.mode == "replay" and not plan.copies and plan.point == 5
+    first, second = plan.replays
+    other = 1 - stage
+    assert (first.ranks, first.peers, first.source_of(stage), first.stages) == ((stage,), (other,), other, (stage,))
+    assert (second.ranks, second.peers, second.source_of(stage + 2)) == ((stage + 2,), (other + 2,), other + 2)
+    assert first.start == second.start == 4 and first.together == second.together == lost
+    assert plan.as_dict()["targets"] == list(lost)
+
+
+def test_replicas_replay_from_the_newest_checkpoint_step_both_have():
+    """A checkpoint exchange cut short by the failure: rank 1 installed rank 0's checkpoint of step 8, rank 3 only
+    holds rank 2's of step 4 (and rank 1 still keeps its step 4 copy): both replicas replay from step 4."""
+    plan = plan_pipeline(dp2((0, 2), r1={"held_step": 8, "held_prev_step": 4, "updates": 9}, r3={"updates": 9}))
+    assert [(r.ranks, r.start) for r in plan.replays] == [((0,), 4), ((2,), 4)]
+    with pytest.raises(RecoveryError, match="different steps"):  # no step in common: refused
+        plan_pipeline(dp2((0, 2), r1={"held_step": 8, "updates": 9}, r3={"updates": 9}))
+
+
+def test_every_replica_lost_and_one_checkpoint_missing_is_refused():
+    """Rank 3 holds no checkpoint of rank 2 (and there is no --stage-ckpt-dir): that replica cannot replay, and
+    replaying only the other one is not exact. Refused, with the reason."""
+    with pytest.raises(RecoveryError, match="stage checkpoint of rank 2 was lost"):
+        plan_pipeline(dp2((0, 2), r3={"held_for": -1, "held_step": -1}))
+    # from --stage-ckpt-dir the same loss is recovered
+    plan = plan_pipeline(dp2((0, 2), r3={"held_for": -1, "held_step": -1}, r2={"disk_step": 4}))
+    assert [(r.ranks, r.source_of(r.ranks[0]), r.start) for r in plan.replays] == [((0,), 1, 4), ((2,), DISK, 4)]
+
+
+def test_every_replica_of_a_stage_lost_with_a_replica_of_the_adjacent_stage_is_refused():
+    """Ranks 0, 2 (stage 0) and 1 (stage 1 of replica 0) lost: rank 0's replay needs the gradients rank 1 logged,
+    lost with it, so rank 1 would replay too; but its replica rank 3 survives and cannot run the stage's all-reduce
+    of steps it already took. Refused (a restart of every worker with --max-restarts), never a wrong model."""
+    with pytest.raises(RecoveryError, match=r"rank 1 \(stage\(s\) \[1\]\) must replay with rank\(s\) 0 .*"
+                                            r"replica\(s\) 3 survive"):
+        plan_pipeline(dp2((0, 1, 2), r0={"disk_step": 4}, r1={"disk_step": 4}))
+    with pytest.raises(RecoveryError, match="no rank of the pipeline"):  # everything lost
+        plan_pipeline(dp2((0, 1, 2, 3)))
+
+
+def test_logging_groups_of_a_dp_x_pp_job_roll_back_every_replica_together():
+    """Logging group (0, 1) in each replica. Ranks 0 and 2 lost: ranks 1 and 3 roll back with them, every replica
+    of both stages replaying in lockstep. Only rank 0 lost: the replica path, nobody rolls back. Ranks 0, 2 and 3
+    lost: ranks 2 and 3 replay from --stage-ckpt-dir (each held the other's checkpoint) and rank 3 takes no copy
+    of rank 1, which rolls back; without the disk copies, refused."""
+    groups = ((0, 1),)
+    own = {"own_step": 4}
+    plan = plan_pipeline(dp2((0, 2), r1=own, r3=own), groups)
+    assert [(r.ranks, r.start, r.together) for r in plan.replays] == [((0, 1), 4, (0, 1, 2, 3)),
+                                                                       ((2, 3), 4, (0, 1, 2, 3))]
+    plan = plan_pipeline(dp2((0,), r1=own, r3=own), groups)
+    assert plan.copies == ((2, (0,)),) and not plan.replays
+    disk = {"disk_step": 4}
+    plan = plan_pipeline(dp2((0, 2, 3), r1=own, r2=disk, r3=disk), groups)
+    assert not plan.copies and [(r.ranks, r.sources) for r in plan.replays] == [((0, 1), ((0, 1), (1, 1))),
+                                                                                ((2, 3), ((2, DISK), (3, DISK)))]
+    with pytest.raises(RecoveryError, match="stage checkpoint of rank 2 was lost with the rank that held it"):
+        plan_pipeline(dp2((0, 2, 3), r1=own), groups)
 
 
 def test_interleaved_stages_replay_with_both_ring_neighbours():
