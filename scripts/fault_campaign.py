@@ -15,6 +15,8 @@ launcher at a uniformly random time over the whole run (start-up included). Clas
 EXACT    exit 0, every rank's final state bitwise equal to the failure-free run's
 CLOSE    exit 0, within 1e-6 relative (of the largest magnitude of the entry's kind, e.g. every momentum buffer),
          and a recovery undid an update (an inverted update is exact to a few ULP)
+WARNED   exit 0, replicas equal, a state that differs, and the event log carries swiftrun's warning that this
+         recovery is not the failure-free one (e.g. rank 0's BatchNorm statistics lost with it): reported loudly
 REFUSED  non-zero exit with a message saying why (the reason is shown and counted)
 BUG      exit 0 with a different state, replicas that differ, a hang past the deadline, leaked processes, a
          traceback from swiftrun's own code, a missing result file, a survivor whose process changed
@@ -466,6 +468,8 @@ class Campaign:
                                                      "failed_ranks", "undo")}
                               for r in records if r.get("event") == "recovery_end"]
         outcome.failures = sum(r.get("event") == "worker_failed" for r in records)
+        warned = [r.get("message", "") for r in records if r.get("event") == "warning"
+                  and "not bitwise the failure-free" in r.get("message", "")]
         outcome.time_lost = round(seconds - ref_seconds, 2)
         outcome.launcher_lost = next((r.get("time_lost") for r in records if r.get("event") == "job_end"), None)
         own = swiftrun_tracebacks(output)
@@ -529,6 +533,8 @@ class Campaign:
         undone = any(rec.get("mode") == "undo" or rec.get("undo") for rec in outcome.recoveries)
         if undone and worst <= 1e-6 and not exact_only:
             return verdict("CLOSE", f"max rel diff {worst:.2e} after an undo")
+        if warned:
+            return verdict("WARNED", f"max rel diff {worst:.2e}, said: {warned[0][:120]}")
         model_keys = [k for k in floats if k.startswith(("model.", "opt"))]
         model_worst = max((kind_rel_diff(results[r], expected[r], [k for k in model_keys if k in expected[r]])
                            for r in range(plan.world)), default=0.0)
@@ -684,7 +690,7 @@ def main() -> None:
     table = collections.defaultdict(collections.Counter)
     for o in outcomes:
         table[o.config][o.verdict] += 1
-    classes = ["EXACT", "CLOSE", "REFUSED", "BUG", "UNSUPPORTED", "SKIPPED", "MISSED"]
+    classes = ["EXACT", "CLOSE", "WARNED", "REFUSED", "BUG", "UNSUPPORTED", "SKIPPED", "MISSED"]
     print(f"{'config':<18}" + "".join(f"{c:>12}" for c in classes))
     for config in sorted(table):
         print(f"{config:<18}" + "".join(f"{table[config][c]:>12}" for c in classes))

@@ -68,6 +68,10 @@ class BroadcastBuffers:
                 self._copied_at[index] = -1
         return pre_forward
 
+    def offers(self, step: int) -> bool:
+        """Whether this rank holds rank 0's buffers as of the start of ``step`` (reported to the consensus)."""
+        return self._offer(step) is not None
+
     def _offer(self, step: int) -> str | None:
         """Whether (and from where) this rank can give rank 0's buffers as of the start of ``step``."""
         rec = self.rec
@@ -90,8 +94,9 @@ class BroadcastBuffers:
             return {i: snap.buffers[i] for i in self.indices}
         return {i: {n: b.detach() for n, b in models[i].named_buffers()} for i in self.indices}
 
-    def gather(self, step: int) -> dict[int, dict[str, torch.Tensor]] | None:
-        """Collective: rank 0's buffers as of the start of ``step``, on every rank (None: nobody has them)."""
+    def gather(self, step: int, source: int) -> dict[int, dict[str, torch.Tensor]] | None:
+        """Collective: rank 0's buffers as of the start of ``step``, on every rank; if nobody has them, the
+        recovery's ``source``'s, so that replicas still agree (said loudly: not the failure-free ones)."""
         if not self.indices:
             return None
         rec = self.rec
@@ -99,12 +104,14 @@ class BroadcastBuffers:
         mine = self._offer(step)
         dist.all_gather_object(offers, mine)
         holders = [r for r, o in enumerate(offers) if o is not None]
-        if not holders:
-            warn(f"rank 0 died before broadcasting its buffers for step {step}; they are lost with it, so the "
-                 "recovered buffers are the source's: not bitwise the failure-free ones")
-            return None
-        holder = holders[0]
-        tree = self._tree(mine, step) if rec.rank == holder else None
+        if holders:
+            holder, where = holders[0], mine
+        else:  # the consensus undoes a step to avoid this where it can (consensus.buffers_held)
+            if rec.rank == source:
+                warn(f"rank 0 died before broadcasting its buffers for step {step}; they are lost with it, so "
+                     f"every rank takes rank {source}'s: the recovered buffers are not bitwise the failure-free ones")
+            holder, where = source, "live"
+        tree = self._tree(where, step) if rec.rank == holder else None
         return broadcast_tree(tree, src=holder, group=None, device=rec.group.device())
 
     def install(self, tree: dict[int, dict[str, torch.Tensor]] | None) -> None:

@@ -33,14 +33,20 @@ class RankStatus:
     # the failure reached this rank outside a step's body (evaluation, a checkpoint barrier after the guard):
     # what that code does next may depend on a skipped collective, so the state is verified at the next step
     outside_step: bool = False
+    # rank 0's buffers that DDP broadcasts at each forward (runtime/buffers.py): whether this rank holds them as
+    # of the start of step updates + 1 (what resuming after ``updates`` needs) and of step ``updates`` (what an
+    # undo of ``updates`` needs); True when the job has no such buffers
+    buffers_next: bool = True
+    buffers_undo: bool = True
 
     def pack(self) -> list[int]:
         return [self.rank, int(self.valid), self.updates, int(self.boundary), int(self.undoable),
-                int(self.outside_step)]
+                int(self.outside_step), int(self.buffers_next), int(self.buffers_undo)]
 
     @classmethod
     def unpack(cls, row: list[int]) -> RankStatus:
-        return cls(int(row[0]), bool(row[1]), int(row[2]), bool(row[3]), bool(row[4]), bool(row[5]))
+        return cls(int(row[0]), bool(row[1]), int(row[2]), bool(row[3]), bool(row[4]), bool(row[5]),
+                   bool(row[6]), bool(row[7]))
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,25 @@ def plan_recovery(statuses: list[RankStatus], mode: str) -> Plan:
     if not valid:
         raise RecoveryError("no surviving replica holds a consistent state (every rank is new or was overwritten)")
     plan = _plan_undo(statuses, valid) if mode == "undo" else _plan_roll_forward(statuses, valid)
+    if not buffers_held(valid, plan.point + 1) and plan.point >= 0 and buffers_held(valid, plan.point):
+        # rank 0 died after its update of step P and before broadcasting its buffers for P + 1 (its batch's
+        # BatchNorm statistics, say): nobody can resume after P exactly, but the survivors copied rank 0's
+        # buffers of P's start, so undoing P and redoing it is exact (to the undo's few ULP)
+        try:
+            back = _undo_to(statuses, valid, plan.point)
+        except RecoveryError:
+            back = None
+        if back is not None and back.undo:
+            note = (f"rank 0's buffers for step {plan.point + 1} were lost with it; step {plan.point} is undone "
+                    "and redone, from the buffers every survivor copied at its start")
+            plan = replace(back, notes=back.notes + (note,))
     return replace(plan, verify_next=any(s.outside_step for s in statuses))
+
+
+def buffers_held(valid: list[RankStatus], step: int) -> bool:
+    """Whether a valid rank holds rank 0's broadcast buffers as of the start of ``step``."""
+    return any((s.updates + 1 == step and s.boundary and s.buffers_next) or (s.updates == step and s.buffers_undo)
+               for s in valid)
 
 
 def _plan_roll_forward(statuses: list[RankStatus], valid: list[RankStatus]) -> Plan:
@@ -98,6 +122,11 @@ def _plan_undo(statuses: list[RankStatus], valid: list[RankStatus]) -> Plan:
     if not lagging:
         source = min(s.rank for s in valid)
         return Plan(top, source, tuple(s.rank for s in statuses if not s.valid), (), "replica")
+    return _undo_to(statuses, valid, top)
+
+
+def _undo_to(statuses: list[RankStatus], valid: list[RankStatus], top: int) -> Plan:
+    """Back to ``top - 1``: the ranks at ``top`` undo their update where they can; the others receive."""
     point = top - 1
     undo = tuple(s.rank for s in valid if s.updates == top and s.undoable)
     stuck = [s.rank for s in valid if s.updates == top and not s.undoable]

@@ -324,7 +324,10 @@ class Recovery:
         phases["undo"] = time.monotonic() - t
 
         t = time.monotonic()
-        canonical = self.buffers.gather(plan.point + 1)
+        for note in plan.notes:
+            if self.rank == plan.source:
+                log.info("recovery plan: %s", note)
+        canonical = self.buffers.gather(plan.point + 1, plan.source)
         self._transfer(plan)
         self.buffers.install(canonical)
         phases["transfer"] = time.monotonic() - t
@@ -459,8 +462,11 @@ class Recovery:
         return self.completed + (1 if self.partial else 0)
 
     def _status(self) -> RankStatus:
+        held = self.buffers.indices and self.valid
         return RankStatus(self.rank, self.valid, self.position, not self.partial, self._undoable(),
-                          outside_step=not self.joining and not self.partial and self.step == self.completed)
+                          outside_step=not self.joining and not self.partial and self.step == self.completed,
+                          buffers_next=not held or self.buffers.offers(self.position + 1),
+                          buffers_undo=not held or self.buffers.offers(self.position))
 
     def _consensus(self) -> Plan:
         device = self.group.device()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.consensus import Plan, RankStatus, plan_recovery
+from swiftrun.runtime.consensus import Plan, RankStatus, buffers_held, plan_recovery
 
 MODES = ("auto", "roll-forward", "undo")
 
@@ -158,6 +158,30 @@ def test_plan_as_dict_has_plain_lists():
 # --- properties -------------------------------------------------------------------------------------------------
 
 
+def lost_buffers(rank: int, updates: int, undoable: bool = True) -> RankStatus:
+    """A survivor on the boundary after ``updates`` that copied rank 0's buffers at the start of ``updates`` but
+    never received those of ``updates + 1`` (rank 0 died between its update and the next forward's broadcast)."""
+    return RankStatus(rank, True, updates, True, undoable, buffers_next=False, buffers_undo=True)
+
+
+@pytest.mark.parametrize("mode", ["auto", "roll-forward"])
+def test_rank_0_lost_with_the_buffers_of_the_next_step_undoes_the_step_whose_buffers_the_survivors_hold(mode):
+    plan = plan_recovery([new(0), lost_buffers(1, 7), lost_buffers(2, 7)], mode)
+    assert (plan.point, plan.undo, plan.mode, plan.source, plan.targets) == (6, (1, 2), "undo", 1, (0,))
+    assert any("buffers for step 8 were lost" in note for note in plan.notes)
+
+
+def test_buffers_lost_but_no_survivor_can_undo_rolls_forward_with_the_sources_buffers():
+    plan = plan_recovery([new(0), lost_buffers(1, 7, undoable=False), lost_buffers(2, 7, undoable=False)], "auto")
+    assert (plan.point, plan.undo, plan.mode) == (7, (), "replica")
+
+
+def test_one_survivor_holding_the_next_steps_buffers_is_enough_to_roll_forward():
+    holder = RankStatus(2, True, 6, False, True, buffers_next=False, buffers_undo=True)  # partial: copied step 7's
+    plan = plan_recovery([new(0), lost_buffers(1, 6), holder, at(3, 7)], "auto")
+    assert plan.point == 7 and not plan.undo
+
+
 @st.composite
 def reports(draw) -> list[RankStatus]:
     """What the ranks of a data-parallel job can report: survivors one step apart at most, some replacements."""
@@ -170,7 +194,8 @@ def reports(draw) -> list[RankStatus]:
         else:
             updates = draw(st.sampled_from([top, top - 1])) if top > -1 else -1
             boundary = draw(st.booleans()) if updates >= 0 else True
-            out.append(RankStatus(rank, True, updates, boundary, draw(st.booleans()) and updates >= 0))
+            out.append(RankStatus(rank, True, updates, boundary, draw(st.booleans()) and updates >= 0,
+                                  buffers_next=draw(st.booleans()), buffers_undo=draw(st.booleans())))
     return out
 
 
@@ -208,7 +233,10 @@ def test_property_every_plan_leaves_all_ranks_equal_to_a_valid_source_at_the_poi
     assert all(by_rank[r].valid and by_rank[r].undoable for r in plan.undo)
     assert final_state(source, plan)[:2] == (plan.point, True)
     on_boundary = [s.updates for s in statuses if s.valid and s.boundary]
-    if mode != "undo" and on_boundary:
+    valid = [s for s in statuses if s.valid]
+    if any("buffers for step" in note for note in plan.notes):  # rank 0's buffers for max + 1 died with it
+        assert plan.mode == "undo" and not buffers_held(valid, plan.point + 2) and buffers_held(valid, plan.point + 1)
+    elif mode != "undo" and on_boundary:
         assert plan.point == max(on_boundary)  # rolling forward never gives up a completed step
     for status in statuses:  # whoever does not receive the state already holds exactly the source's
         if status.rank not in plan.targets:
