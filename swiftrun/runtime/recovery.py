@@ -65,7 +65,12 @@ class Recovery:
         if pipeline is not None:
             every = checkpoint_every or _env_int("SWIFTRUN_CKPT_EVERY", DEFAULT_CHECKPOINT_EVERY)
             self.pipeline = Pipeline(self, pipeline, every)
-        self.keep_last_update = self.mode == "undo" or self.pipeline is not None
+        # ... and where DDP broadcasts rank 0's buffers (BatchNorm statistics): rank 0 dying between its update and
+        # the next forward's broadcast takes its buffers for the next step with it, and only undoing the completed
+        # step (whose start buffers every survivor copied) stays exact (consensus.buffers_held). The cost: the
+        # last step's gradients copied once per step.
+        self.keep_last_update = (self.mode == "undo" or self.pipeline is not None
+                                 or BroadcastBuffers.present(self.reg))
         # undo mode may undo a completed step, whose start is one snapshot older than the current step's
         self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
         init = rt.init_kwargs or {}

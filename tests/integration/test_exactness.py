@@ -194,13 +194,41 @@ def test_parameters_averaged_in_place_when_torn_are_never_a_source(reference, tm
 # rank 0 dies after its update of step 5 and before broadcasting its buffers for step 6 (its batch's BatchNorm
 # statistics): nobody holds them (campaign seed 61 run 1: cnn_bn, the survivors kept their own, verification
 # found the replicas different and the job stopped)
-LOST_BUFFERS = (("--bn", "--optimizer", "sgd"), ("0:5:step:sigkill",))
+LOST_BUFFERS = ("--bn",), ("0:5:step:sigkill",)
 
 
-def test_buffers_lost_with_rank_0_are_said_and_every_rank_takes_the_sources(tmp_path, marker):
-    """Default recovery: nothing kept to undo a completed step, so the recovery goes on with the source's
-    buffers, on every rank (replicas agree), and says that they are not the failure-free ones."""
-    flags, faults = LOST_BUFFERS
+def test_buffers_lost_with_rank_0_undo_the_step_whose_start_buffers_the_survivors_hold(reference, tmp_path, marker):
+    """With DDP broadcasting buffers, what undoes a completed step is kept: the survivors undo step 5 and redo it
+    with rank 0's buffers of its start. An arithmetic inverse leaves a few ULP in the parameters, and so in the
+    statistics computed from them; ``--exact-undo`` (the update undone from a copy) makes the run bitwise."""
+    flags, faults = (*LOST_BUFFERS[0], "--optimizer", "sgd"), LOST_BUFFERS[1]
+    for launcher, bitwise in (((), False), (("--exact-undo",), True)):
+        proc, save, events = _launch(tmp_path / str(bitwise), marker, flags, faults, launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert [e["mode"] for e in _recoveries(events)] == ["undo"]
+        if bitwise:
+            assert_exact(save, reference(flags), events, bitwise=True)
+        else:  # relative to the magnitude of the entry's kind (every momentum buffer, every running mean): the
+            # bias feeding BatchNorm gets only rounding noise as gradient, ~1e-8, and its own scale means nothing
+            for got, want in zip(_states(save, 2), _states(reference(flags), 2)):
+                kind = {}
+                for key, value in want.items():
+                    if value.is_floating_point():
+                        name = f"{key.split('.')[0]}.{key.rsplit('.', 1)[-1]}"
+                        kind[name] = max(kind.get(name, 1e-12), value.double().abs().max().item())
+                for key, value in want.items():
+                    if value.is_floating_point():
+                        scale = kind[f"{key.split('.')[0]}.{key.rsplit('.', 1)[-1]}"]
+                        assert (got[key].double() - value.double()).abs().max().item() / scale <= 1e-6, key
+                    else:
+                        assert torch.equal(got[key], value), key
+
+
+def test_buffers_lost_with_rank_0_without_an_undo_are_the_sources_everywhere_and_said(tmp_path, marker):
+    """Adagrad cannot be undone: the recovery goes on with the source's buffers, on every rank (replicas agree;
+    before, each survivor kept its own and verification stopped the job), and says that they are not the
+    failure-free ones."""
+    flags, faults = (*LOST_BUFFERS[0], "--optimizer", "adagrad"), LOST_BUFFERS[1]
     proc, save, events = _launch(tmp_path, marker, flags, faults, world=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     warnings = [e for e in _events(events) if e["event"] == "warning" and "buffers for step 6" in e["message"]]
@@ -209,15 +237,3 @@ def test_buffers_lost_with_rank_0_are_said_and_every_rank_takes_the_sources(tmp_
     for key in states[0]:
         if not key.startswith("buffer.") and ".running_" not in key and "num_batches" not in key:
             assert all(torch.equal(states[0][key], st[key]) for st in states[1:]), key
-
-
-def test_buffers_lost_with_rank_0_are_exact_when_the_step_can_be_undone(reference, tmp_path, marker):
-    """``--recovery undo`` keeps what undoes a completed step: the survivors undo step 5, whose start buffers they
-    copied, and redo it with rank 0's buffers. With ``--exact-undo`` (the update undone from a copy) the whole run
-    ends bitwise; an arithmetic inverse leaves a few ULP in the parameters, and so in the statistics computed
-    from them."""
-    flags, faults = LOST_BUFFERS
-    proc, save, events = _launch(tmp_path, marker, flags, faults, launcher=("--recovery", "undo", "--exact-undo"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [e["mode"] for e in _recoveries(events)] == ["undo"]
-    assert_exact(save, reference(flags), events, bitwise=True)
