@@ -48,16 +48,14 @@ class PendingOps:
         self._generation = 0  # the generation whose group runs the operations watched from now on (the first: 0)
         self._aborted_below = 0  # operations of a generation below this one fail as soon as they are watched
         self._waiting: dict[torch.futures.Future, int] = {}  # our future -> its generation, until it completes
-        self._sources: dict[int, list[torch.futures.Future]] = {}  # generation -> gloo futures that may still run
+        # generation -> gloo futures not completed yet (each leaves when it completes: a run without failures
+        # watches a few per step, for millions of steps)
+        self._sources: dict[int, set[torch.futures.Future]] = {}
 
     def open(self, generation: int) -> None:
         """The group of ``generation`` is built: operations watched from now on belong to it."""
         with self._lock:
             self._generation = generation
-            for old in [g for g in self._sources if g < generation]:
-                self._sources[old] = [f for f in self._sources[old] if not f.done()]
-                if not self._sources[old]:
-                    del self._sources[old]
 
     def watch(self, source: torch.futures.Future, first: bool = False) -> torch.futures.Future:
         """A future that completes like ``source`` (with its value's first element if ``first``: a collective's
@@ -68,14 +66,19 @@ class PendingOps:
             aborted = generation < self._aborted_below
             if not aborted:
                 self._waiting[ours] = generation
-                self._sources.setdefault(generation, []).append(source)
+                self._sources.setdefault(generation, set()).add(source)
         if aborted:
             ours.set_exception(RuntimeError(ABORTED.format(generation=self._aborted_below)))
             return ours
 
         def finished(done: torch.futures.Future) -> None:
-            with self._lock:  # whoever removes ``ours`` from _waiting completes it, exactly once
-                if self._waiting.pop(ours, None) is None:
+            with self._lock:
+                running = self._sources.get(generation)
+                if running is not None:
+                    running.discard(source)  # ``done`` may be another Python wrapper of the same C++ future
+                    if not running:
+                        del self._sources[generation]
+                if self._waiting.pop(ours, None) is None:  # whoever removes ``ours`` completes it, exactly once
                     return
             try:
                 value = done.value()
@@ -108,7 +111,7 @@ class PendingOps:
         """Whether an operation watched on ``generation``'s group has not completed inside gloo yet (its worker
         thread may be stuck in it: the group must not be destroyed)."""
         with self._lock:
-            return any(not f.done() for f in self._sources.get(generation, ()))
+            return bool(self._sources.get(generation))
 
 
 PENDING = PendingOps()  # the process's one registry: a worker has one runtime and one default group lineage

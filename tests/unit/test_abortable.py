@@ -58,14 +58,22 @@ def test_a_wait_begun_on_an_aborted_generation_fails_at_once():
     assert ours.wait() == 3
 
 
-def test_opening_a_generation_forgets_the_finished_operations_of_older_ones():
-    pending, done, stuck = PendingOps(), torch.futures.Future(), torch.futures.Future()
+def test_only_operations_still_inside_gloo_are_remembered():
+    pending, done, stuck, late = PendingOps(), torch.futures.Future(), torch.futures.Future(), torch.futures.Future()
+    for step in range(1000):  # a run without failures: what completes is forgotten at once
+        source = torch.futures.Future()
+        pending.watch(source, first=True)
+        source.set_result([step])
+    assert pending._sources == {} and pending.waiting() == 0
     pending.watch(done)
     pending.watch(stuck)
+    pending.watch(late)
     done.set_result(None)
     pending.abort(1)
     pending.open(1)
-    assert pending._sources == {0: [stuck]}  # only what may still block a gloo thread is remembered
+    assert pending._sources == {0: {stuck, late}}  # what may still block a gloo thread
+    late.set_result(None)  # completes after its wait was failed by the abort: forgotten too
+    assert pending._sources == {0: {stuck}} and pending.blocked(0) and not pending.blocked(1)
 
 
 def test_kept_objects_get_exactly_one_reference_that_is_never_released():
