@@ -74,9 +74,12 @@ def test_random_sigkills_from_outside(references, tmp_path, marker):
     nothing had happened. Set SWIFTRUN_TEST_SEED to replay a particular draw."""
     seed = int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or random.randrange(1, 2**31)
     rng = random.Random(seed)
-    world, steps = 4, 60
+    # Kills are drawn in the first 40% of the run: the test sees a step only through the launcher's progress
+    # events (every heartbeat), and train_dp runs ~110 steps/s on a quiet machine, so a kill drawn near the end
+    # used to land after training had finished (a late failure, no recovery: the test waited in vain)
+    world, steps = 4, 200
     events = tmp_path / "events.jsonl"
-    kills = sorted(rng.sample(range(5, steps - 15), 2))
+    kills = sorted(rng.sample(range(5, steps * 2 // 5), 2))
     proc = start(launch_args(world, "adam", tmp_path / "save", events, [], steps=steps), marker)
 
     def lines() -> list[dict]:
