@@ -59,6 +59,33 @@ def start(cmd: list[str], marker: str, cwd: Path | None = None, **env: str) -> s
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
 
+def run_world(script: Path, tmp_path: Path, marker: str, scenario: str, world: int, deadline: float,
+              expected_codes: tuple[int, ...] = (0,), **env: str) -> tuple[list[subprocess.Popen], list[dict | None]]:
+    """Run ``world`` copies of a standalone worker script (``script RANK WORLD INIT_FILE OUT_JSON SCENARIO``, the
+    ranks meeting over a file store) to the end within ``deadline``: the processes and each rank's JSON output
+    (None where a rank wrote none). Stderr of a rank exiting otherwise than ``expected_codes`` is printed."""
+    import json
+
+    procs, outs = [], [tmp_path / f"out{r}.json" for r in range(world)]
+    try:
+        for r in range(world):
+            procs.append(start([sys.executable, str(script), str(r), str(world), str(tmp_path / "init"), str(outs[r]),
+                                scenario], marker, **env))
+        end = time.monotonic() + deadline
+        for p in procs:
+            p.wait(timeout=max(1.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{scenario}: ranks still running after {deadline}s") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            _, err = p.communicate(timeout=10)
+            if p.returncode not in expected_codes:
+                print(err[-3000:])
+    return procs, [json.loads(o.read_text()) if o.exists() else None for o in outs]
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02, what: str = "condition") -> None:
     """Poll ``predicate`` until it holds; fail the test with ``what`` when ``timeout`` passes."""
     deadline = time.monotonic() + timeout
@@ -120,3 +147,21 @@ def kill_together_once_stopped(events: Path, ranks: tuple[int, ...], timeout: fl
                what=f"ranks {list(ranks)} stopped at their faults")
     for pid in pids().values():
         os.kill(pid, signal.SIGKILL)
+
+
+def run_killing_together(cmd: list[str], marker: str, events: Path, ranks: tuple[int, ...], timeout: float = 200,
+                         then: Callable[[], None] | None = None) -> tuple[int, str, str]:
+    """Start the launcher, SIGKILL ``ranks`` at the same instant once each stopped at its ``sigstop`` fault
+    (``kill_together_once_stopped``), run ``then`` (a further fault from outside) if given, and wait for the end:
+    ``(returncode, stdout, stderr)``. The launcher is killed if anything in between fails, so nothing leaks."""
+    proc = start(cmd, marker)
+    try:
+        kill_together_once_stopped(events, ranks, timeout=150)
+        if then is not None:
+            then()
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err

@@ -30,7 +30,7 @@ import ctypes
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -263,7 +263,7 @@ def call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, pending: 
         return fn(*args, **kwargs)
     group = args[index] if len(args) > index else kwargs.get(keyword)
     group = group if group is not None else dist.group.WORLD
-    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    tensors = tensor_args(args, kwargs)
     if not _gloo_cpu(tensors, group):
         return fn(*args, **kwargs)
     work = fn(*args, **{**kwargs, "async_op": True})
@@ -278,7 +278,12 @@ def call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, pending: 
     return None
 
 
-def _tensors(values: list[Any]):
+def tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Every tensor among a collective's arguments, lists of tensors included (all_gather's output list)."""
+    return list(_tensors(list(args) + list(kwargs.values())))
+
+
+def _tensors(values: list[Any]) -> Iterator[torch.Tensor]:
     for v in values:
         if isinstance(v, torch.Tensor):
             yield v

@@ -214,7 +214,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
 
 def _touches_state(rec: Recovery, args: tuple, kwargs: dict) -> bool:
     """Whether a tensor argument shares storage with registered state (an in-place collective on the model)."""
-    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    tensors = abortable.tensor_args(args, kwargs)
     if not tensors:
         return False
     global _owned
@@ -226,14 +226,6 @@ def _touches_state(rec: Recovery, args: tuple, kwargs: dict) -> bool:
                       if isinstance(v, torch.Tensor)}
         _owned = (rec.step, owned)
     return any(t.untyped_storage().data_ptr() in _owned[1] for t in tensors)
-
-
-def _tensors(values: list[Any]) -> Iterator[torch.Tensor]:
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, (list, tuple)):
-            yield from _tensors(list(v))
 
 
 def _say_once(name: str, what: str) -> None:

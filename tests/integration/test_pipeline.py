@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, kill_together_once_stopped, run, start, swiftrun_cmd
+from tests.helpers import REPO, run, run_killing_together, swiftrun_cmd
 
 pytestmark = pytest.mark.integration
 
@@ -223,15 +223,9 @@ def test_every_replica_of_a_stage_lost_together_replays_in_lockstep(tmp_path, re
     ref = reference(script)
     lost = (stage, stage + 2)
     stops = [arg for r in lost for arg in ("--fault", f"{r}:{stop_at}:sigstop")]
-    proc = start(launch(tmp_path, *stops, script=script), marker)
-    try:
-        kill_together_once_stopped(tmp_path / "events.jsonl", lost, timeout=150)
-        out, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, (out + err)[-3000:]
+    code, out, err = run_killing_together(launch(tmp_path, *stops, script=script), marker,
+                                          tmp_path / "events.jsonl", lost)
+    assert code == 0, (out + err)[-3000:]
     ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
     assert ended[-1]["outcome"] == "recovered" and ended[-1]["mode"] == "replay", ended
     replays = [r for r in records(tmp_path) if r["event"] == "replay"]
@@ -255,15 +249,9 @@ def test_every_replica_of_a_stage_and_one_replica_of_its_neighbour_restart_every
     script = ("--dp", "2")
     ref = reference(script)
     stops = ["--fault", "0:6:forward:sigstop", "--fault", "2:6:forward:sigstop", "--fault", "1:5:after-step:sigstop"]
-    proc = start(launch(tmp_path, "--max-restarts", "1", *stops, script=script), marker)
-    try:
-        kill_together_once_stopped(tmp_path / "events.jsonl", (0, 1, 2), timeout=150)
-        out, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, (out + err)[-3000:]
+    code, out, err = run_killing_together(launch(tmp_path, "--max-restarts", "1", *stops, script=script), marker,
+                                          tmp_path / "events.jsonl", (0, 1, 2))
+    assert code == 0, (out + err)[-3000:]
     assert "replica(s) 3 survive" in out + err, (out + err)[-3000:]
     assert [r["event"] for r in records(tmp_path)].count("restart") == 1
     assert_same(tmp_path, ref)

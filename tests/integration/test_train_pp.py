@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, processes_with_marker, run, run_torchrun, swiftrun_cmd, wait_until
+from tests.helpers import (EXAMPLES, processes_with_marker, run, run_killing_together, run_torchrun, swiftrun_cmd,
+                           wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -202,22 +203,14 @@ def test_swiftrun_replays_every_replica_of_a_stage_lost_together(pp_runs, tmp_pa
     """2 stages x 2 replicas (--dp 2), 1F1B, both replicas of the last stage (ranks 1 and 3) SIGKILLed together in
     step 4's backward: each replacement replays from its checkpoint in its own pipeline, the stage's DDP all-reduce live
     between them. Bitwise torchrun's failure-free run, replicas equal."""
-    from tests.helpers import kill_together_once_stopped, start
-
     reference = pp_runs("torchrun4", "--dp", "2", "--schedule", "1f1b")
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    proc = start(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
-                              "--fault", "1:4:backward:sigstop", "--fault", "3:4:backward:sigstop", str(TRAIN_PP),
-                              *COMMON, "--dp", "2", "--schedule", "1f1b", "--ckpt-every", "3", "--save-dir",
-                              str(save)), marker)
-    try:
-        kill_together_once_stopped(events, (1, 3), timeout=150)  # at the same instant (tests/helpers.py)
-        out, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, (out + err)[-4000:]
+    code, out, err = run_killing_together(  # both at the same instant (tests/helpers.py)
+        swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                     "--fault", "1:4:backward:sigstop", "--fault", "3:4:backward:sigstop", str(TRAIN_PP),
+                     *COMMON, "--dp", "2", "--schedule", "1f1b", "--ckpt-every", "3", "--save-dir", str(save)),
+        marker, events, (1, 3))
+    assert code == 0, (out + err)[-4000:]
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert sorted(r["rank"] for r in replays) == [1, 3] and all(r["ranks"] == [1, 3] for r in replays), replays
     assert_equal_nested(load(reference), load(save), "rank files")
@@ -230,30 +223,25 @@ def test_a_lockstep_replay_interrupted_by_a_replacements_death_is_replayed_again
     replacement of rank 2 SIGKILLed from outside as soon as the `replay` event shows: rank 0's replacement is
     blocked in the stage's all-reduce with it; the abort releases it and the next generation replays both again,
     bitwise torchrun's failure-free run."""
-    from tests.helpers import kill_together_once_stopped, start
-
     args = ("--dp", "2", "--schedule", "1f1b", "--steps", "34")
     reference = pp_runs("torchrun4", *args)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    proc = start(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
-                              "--fault", "0:28:forward:sigstop", "--fault", "2:28:forward:sigstop", str(TRAIN_PP),
-                              *COMMON, *args, "--ckpt-every", "30", "--save-dir", str(save)), marker)
-    try:
-        kill_together_once_stopped(events, (0, 2), timeout=150)
 
-        def records() -> list[dict]:
-            return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    def records() -> list[dict]:
+        return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
 
+    def kill_rank_2s_replacement_once_replaying() -> None:
         wait_until(lambda: any(r["event"] == "replay" for r in records()), timeout=200, interval=0.005,
                    what="the lockstep replay")
         pid = [r["pid"] for r in records() if r["event"] == "worker_state" and r.get("rank") == 2 and r.get("pid")][-1]
         os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, (out + err)[-4000:]
+
+    code, out, err = run_killing_together(
+        swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                     "--fault", "0:28:forward:sigstop", "--fault", "2:28:forward:sigstop", str(TRAIN_PP),
+                     *COMMON, *args, "--ckpt-every", "30", "--save-dir", str(save)),
+        marker, events, (0, 2), then=kill_rank_2s_replacement_once_replaying)
+    assert code == 0, (out + err)[-4000:]
     generations = sorted({r["generation"] for r in records() if r["event"] == "replay"})
     assert len(generations) == 2, f"the replay was not interrupted and run again: {generations}"
     assert all(r["ranks"] == [0, 2] for r in records() if r["event"] == "replay")
@@ -268,23 +256,15 @@ def test_three_replicas_of_a_stage_replay_with_the_bucket_layout_of_their_checkp
     rounds differently with other buckets, so the replacements' fresh reducers must run the layout of the
     checkpoint's step (carried in the stage checkpoint): without it the run ended 1.4e-7 relative off (measured
     by disabling the rebind), with it bitwise torchrun's run."""
-    from tests.helpers import kill_together_once_stopped, start
-
     args = ("--dp", "3", "--schedule", "1f1b", "--hidden", "512")
     reference = pp_runs("torchrun6", *args)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
     stops = [arg for r in (0, 2, 4) for arg in ("--fault", f"{r}:5:forward:sigstop")]
-    proc = start(swiftrun_cmd("--nproc-per-node", "6", "--no-dashboard", "--spares", "0", "--event-log", str(events),
-                              *stops, str(TRAIN_PP), *COMMON, *args, "--ckpt-every", "3", "--save-dir", str(save)),
-                 marker)
-    try:
-        kill_together_once_stopped(events, (0, 2, 4), timeout=150)
-        out, err = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, (out + err)[-4000:]
+    code, out, err = run_killing_together(
+        swiftrun_cmd("--nproc-per-node", "6", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                     *stops, str(TRAIN_PP), *COMMON, *args, "--ckpt-every", "3", "--save-dir", str(save)),
+        marker, events, (0, 2, 4))
+    assert code == 0, (out + err)[-4000:]
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert replays and all(r["ranks"] == [0, 2, 4] for r in replays), replays
     assert_equal_nested(load(reference), load(save), "rank files")

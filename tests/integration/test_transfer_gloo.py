@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.helpers import SCRIPTS, start
+from tests import helpers
+from tests.helpers import SCRIPTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def run_world(tmp_path, marker, scenario, world=3, deadline=90.0, **env):
-    init = tmp_path / "init"
-    procs = []
-    outs = [tmp_path / f"out{r}.json" for r in range(world)]
-    try:
-        for r in range(world):
-            procs.append(start([sys.executable, str(SCRIPTS / "transfer_worker.py"), str(r), str(world), str(init),
-                                str(outs[r]), scenario], marker, **env))
-        end = time.monotonic() + deadline
-        for p in procs:
-            p.wait(timeout=max(1.0, end - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{scenario}: ranks still running after {deadline}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            _, err = p.communicate(timeout=10)
-            if p.returncode not in (0, 17):
-                print(err[-3000:])
-    return procs, [json.loads(o.read_text()) if o.exists() else None for o in outs]
+def run_world(tmp_path, marker, scenario, world=3, **env):
+    # exit 17: the rank that dies on purpose in the src-dies scenario
+    return helpers.run_world(SCRIPTS / "transfer_worker.py", tmp_path, marker, scenario, world, deadline=90.0,
+                             expected_codes=(0, 17), **env)
 
 
 def test_bitwise_delivery_in_place_and_digests(tmp_path, marker):
