@@ -320,3 +320,37 @@ def test_hand_written_p2p_stage_is_replayed_bitwise(tmp_path, p2p_reference, fau
     assert any(r["event"] == "replay" and r["rank"] == lost for r in records(tmp_path))
     assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, lost).values()), "a survivor was restarted"
     assert_same(tmp_path, p2p_reference)
+
+
+P2P_DP_ARGS = ("--dp", "2", "--schedule", "1f1b")  # 2 stages x 2 replicas, gradients all-reduced by the script
+
+
+@pytest.mark.extended  # the same paths as train_pp --dp 2 (test_train_pp.py), here for a script moving its own tensors
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("lost", [(1,), (0, 2)], ids=["one-replica", "every-replica"])
+def test_hand_written_p2p_pipeline_with_replicas(tmp_path, tmp_path_factory, marker, lost):
+    """A Megatron-style script: P2P between stages, each stage's gradients averaged over its replicas by the
+    script's own all-reduce of a flat buffer. One replica lost: its state comes from the surviving replica (no
+    replay). Every replica of stage 0 lost at the same instant: they replay in lockstep from their stage
+    checkpoints, the script's all-reduce live between them. Bitwise the failure-free run, survivors kept."""
+    reference = tmp_path_factory.mktemp("p2p-dp-reference")
+    proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--spares", "0", P2P_SCRIPT, "--steps", str(STEPS),
+                            "--save-dir", str(reference), *P2P_ARGS, *P2P_DP_ARGS), marker="p2p-dp-reference",
+               timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stops = [arg for r in lost for arg in ("--fault", f"{r}:6:forward:sigstop")]
+    cmd = swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(tmp_path / "events.jsonl"), *stops,
+                       P2P_SCRIPT, "--steps", str(STEPS), "--save-dir", str(tmp_path), *P2P_ARGS, *P2P_DP_ARGS)
+    code, out, err = run_killing_together(cmd, marker, tmp_path / "events.jsonl", lost)
+    assert code == 0, (out + err)[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert ended and all(r["outcome"] == "recovered" for r in ended), ended
+    assert ended[-1]["mode"] == ("replica" if len(lost) == 1 else "replay"), ended
+    survivors: dict[int, set[int]] = {}
+    for r in records(tmp_path):
+        if r["event"] == "worker_state" and r.get("rank") not in (None, *lost) and r.get("pid"):
+            survivors.setdefault(r["rank"], set()).add(r["pid"])
+    assert len(survivors) == WORLD - len(lost) and all(len(p) == 1 for p in survivors.values()), survivors
+    assert_same(tmp_path, reference)
+    rank0, rank2 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["model"] for r in (0, 2))
+    assert all(torch.equal(rank0[k], rank2[k]) for k in rank0), "the replicas of stage 0 differ"
