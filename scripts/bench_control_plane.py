@@ -77,7 +77,7 @@ def make_config(nnodes: int, per_node: int, store_port: int, control_port: int, 
 class StubStore:
     """Stands in for the c10d TCPStore the coordinator hosts (nobody connects to it in this benchmark)."""
 
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 900.0) -> None:
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 900.0, flag: str = "") -> None:
         self.host, self.port = host, port
 
     def reset(self) -> None:
@@ -204,23 +204,27 @@ def _on_message(node: SimNode, kind: NodeKind, body: dict[str, Any], now: float,
     if kind is NodeKind.ACCEPT:
         node.accepted = True
     elif kind is NodeKind.DO:
-        action = wire.action_of(body)
-        name = type(action).__name__
-        if name == "Spawn":
-            node.slots[action.slot_id] = action.rank
-            node.report(ReportKind.SPAWNED, action.slot_id, pid=100000 + action.slot_id)
-            node.report(ReportKind.HELLO, action.slot_id, gen=action.generation)
-            if action.rank is not None:
-                node.report(ReportKind.EVENT, action.slot_id, gen=action.generation, event="REGISTERED", data={})
-        elif name == "Send":
-            if action.command.value == "START":
-                node.started.add(action.slot_id)
-            elif action.command.value == "ABORT":
-                node.abort_at.append(now)
-        elif name == "Kill":
-            node.slots.pop(action.slot_id, None)
+        for action in wire.actions_of(body):
+            _on_action(node, action, now)
     elif kind in (NodeKind.REFUSE, NodeKind.FENCED):
         node.alive = False
+
+
+def _on_action(node: SimNode, action: Any, now: float) -> None:
+    name = type(action).__name__
+    if name == "Spawn":
+        node.slots[action.slot_id] = action.rank
+        node.report(ReportKind.SPAWNED, action.slot_id, pid=100000 + action.slot_id)
+        node.report(ReportKind.HELLO, action.slot_id, gen=action.generation)
+        if action.rank is not None:
+            node.report(ReportKind.EVENT, action.slot_id, gen=action.generation, event="REGISTERED", data={})
+    elif name == "Send":
+        if action.command.value == "START":
+            node.started.add(action.slot_id)
+        elif action.command.value == "ABORT":
+            node.abort_at.append(now)
+    elif name == "Kill":
+        node.slots.pop(action.slot_id, None)
 
 
 def _command(cmd: str, arg: Any, nodes: list[SimNode], counts: dict[str, int], now: float) -> Any:

@@ -282,9 +282,9 @@ class NodeAgent(Agent):
         elif kind is NodeKind.FENCED:
             self._execute(remote.fence(str(body.get("reason"))))
         elif kind is NodeKind.DO:
-            action = wire.action_of(body)
-            remote.adopt(action, now)
-            self._execute([action])
+            for action in wire.actions_of(body):
+                remote.adopt(action, now)
+                self._execute([action])
 
     def _take_slot(self, slot: int | None) -> None:
         self.slot = slot

@@ -3,7 +3,8 @@
 A frame pair ``[kind, json]`` like the worker protocol (:mod:`swiftrun.protocol`): JSON, never pickle. Fan-in is
 per node: an agent sends one BEAT per heartbeat interval for all of its workers, and relays only the rare
 protocol moments (spawned, hello, events, exits) one by one. The coordinator answers every BEAT (the agent's
-lease) and sends the supervisor's actions for that node as DO messages.
+lease) and sends the supervisor's actions for that node as DO messages, one per node per decision carrying its
+actions in order: a failure's ABORT to the P ranks of a node is one message, not P.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from swiftrun.errors import ProtocolError
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, ResetStore, Send, Spawn
 from swiftrun.protocol import CommandKind
 
-NODE_PROTOCOL_VERSION = 1
+NODE_PROTOCOL_VERSION = 2  # 2: a DO carries a list of actions
 
 
 class NodeKind(str, enum.Enum):
@@ -30,7 +31,7 @@ class NodeKind(str, enum.Enum):
     REFUSE = "REFUSE"  # reason, exit_code: the agent exits with it
     TAKE = "TAKE"  # a hot spare takes over slot k (incarnation)
     LEASE = "LEASE"  # the answer to a BEAT: the agent's lease is renewed
-    DO = "DO"  # an action of the supervisor for this node
+    DO = "DO"  # actions: the supervisor's actions for this node, in order
     FENCED = "FENCED"  # you are not the current incarnation: kill your workers and exit
 
 
@@ -63,15 +64,27 @@ def decode(frames: list[bytes]) -> tuple[NodeKind, dict[str, Any]]:
 _ACTIONS = {cls.__name__: cls for cls in (Spawn, Assign, Send, Kill, ResetStore, Finish, Note)}
 
 
+def do_body(actions: list[dict[str, Any]]) -> dict[str, Any]:
+    """A DO message's body: actions (each an ``action_body``) the agent carries out in this order."""
+    return {"actions": actions}
+
+
+def actions_of(body: dict[str, Any]) -> list[Action]:
+    entries = body.get("actions")
+    if not isinstance(entries, list):
+        raise ProtocolError("a DO message carries no list of actions")
+    return [action_of(entry) for entry in entries]
+
+
 def action_body(action: Action) -> dict[str, Any]:
-    """A DO message's body for an action the agent carries out (not Record: the coordinator keeps the log)."""
+    """One action the agent carries out, as a DO message lists it (not Record: the coordinator keeps the log)."""
     fields = {f.name: getattr(action, f.name) for f in dataclasses.fields(action)}
     return {"type": type(action).__name__, "fields": fields}
 
 
 def action_of(body: dict[str, Any]) -> Action:
     try:
-        cls = _ACTIONS[body["type"]]
+        cls = _ACTIONS[body["type"]]  # a KeyError or TypeError (not a dict) is a malformed action
         fields = dict(body["fields"])
         if cls is Send:
             fields["command"] = CommandKind(fields["command"])

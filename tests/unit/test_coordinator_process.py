@@ -16,6 +16,7 @@ from swiftrun.config import Entrypoint, EntrypointKind, LaunchConfig, Timeouts
 from swiftrun.errors import LaunchError
 from swiftrun.launcher import _check_free, wait_reachable, wire
 from swiftrun.launcher.coordinator import Coordinator, fingerprint
+from swiftrun.launcher.actions import Finish, Spawn
 from swiftrun.launcher.wire import NodeKind, ReportKind
 from tests.integration.multinode_support import free_port_pair
 
@@ -52,16 +53,20 @@ class FakeAgent:
                     return body
         raise AssertionError(f"node {self.node_rank}: no {want.value} within {timeout}s")
 
+    def actions(self, timeout: float = 10.0) -> list:
+        """The actions of the next DO message."""
+        return wire.actions_of(self.recv(NodeKind.DO, timeout))
+
     def join(self, config: LaunchConfig) -> dict:
         self.send(NodeKind.JOIN, {"proto": wire.NODE_PROTOCOL_VERSION, "node_rank": self.node_rank,
                                   "fingerprint": fingerprint(config), "host": "h", "pid": 1, "registers": True})
         return self.recv(NodeKind.ACCEPT)
 
 
-@pytest.fixture
-def served(tmp_path):
+@pytest.fixture(params=[1])
+def served(tmp_path, request):
     port = free_port_pair()
-    config = _config(port)
+    config = dataclasses.replace(_config(port), nproc_per_node=request.param)
     coordinator = Coordinator(config, tmp_path / "events.jsonl", registers=None, standalone=True)
     sig_r, sig_w = socket.socketpair()
     result: list[int] = []
@@ -87,7 +92,7 @@ def test_every_node_lost_ends_the_job_and_the_coordinator_after_join_timeout(ser
     accepted = [a.join(config) for a in agents]
     assert [a["slot"] for a in accepted] == [0, 1] and accepted[0]["store_port"] == port
     for agent in agents:  # the first Spawn of each node, reported started
-        spawn = wire.action_of(agent.recv(NodeKind.DO))
+        spawn = agent.actions()[0]
         agent.send(NodeKind.REPORT, {"what": ReportKind.SPAWNED.value, "slot_id": spawn.slot_id, "data": {"pid": 9}})
     agents[1].sock.close(linger=0)  # the connection closes: node 1 lost
     time.sleep(0.3)
@@ -103,10 +108,10 @@ def test_a_signal_before_the_job_starts_ends_it_with_128_plus_the_signal(served)
     agent = FakeAgent(ctx, port, 0)
     agent.join(config)
     sig_w.send(bytes([signal.SIGTERM]))
-    finish = agent.recv(NodeKind.DO)
-    while finish["type"] != "Finish":
-        finish = agent.recv(NodeKind.DO)
-    assert finish["fields"]["exit_code"] == 128 + signal.SIGTERM
+    finish = [a for a in agent.actions() if isinstance(a, Finish)]
+    while not finish:
+        finish = [a for a in agent.actions() if isinstance(a, Finish)]
+    assert finish[0].exit_code == 128 + signal.SIGTERM
     agent.sock.close(linger=0)
     thread.join(10)
     assert result == [128 + signal.SIGTERM]
@@ -138,3 +143,20 @@ def test_wait_reachable_and_check_free():
     with pytest.raises(LaunchError, match="cannot reach the coordinator"):
         wait_reachable("127.0.0.1", port, 0.5)
     assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_what_one_turn_decides_for_a_node_reaches_it_as_one_message(served):
+    """Fan-out per node: the three Spawns of a node's ranks (as later the ABORTs of a failure) travel in one DO,
+    in slot order, not one message per rank."""
+    config, port, ctx, thread, result, sig_w = served
+    agents = [FakeAgent(ctx, port, k) for k in (0, 1)]
+    for agent in agents:
+        agent.join(config)
+    for k, agent in enumerate(agents):
+        spawns = agent.actions()
+        assert all(isinstance(a, Spawn) for a in spawns), spawns
+        assert [a.rank for a in spawns] == [3 * k, 3 * k + 1, 3 * k + 2], spawns
+    sig_w.send(bytes([signal.SIGTERM]))
+    for agent in agents:
+        agent.sock.close(linger=0)

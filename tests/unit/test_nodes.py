@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from swiftrun.errors import ProtocolError
 from swiftrun.launcher import wire
 from swiftrun.events import EventName
 from swiftrun.launcher.actions import Assign, Finish, Kill, Record, Send, Spawn
@@ -87,8 +88,15 @@ def test_nobody_joins_a_finished_job():
     Send(3, 4, 7, CommandKind.RECOVER, {"world_size": 4, "replaced": [2, 3]}), Kill(3, 9), Finish(0),
 ])
 def test_actions_cross_the_wire_unchanged(action):
-    kind, body = wire.decode(wire.encode(wire.NodeKind.DO, wire.action_body(action)))
-    assert kind is wire.NodeKind.DO and wire.action_of(body) == action
+    kind, body = wire.decode(wire.encode(wire.NodeKind.DO, wire.do_body([wire.action_body(action)] * 2)))
+    assert kind is wire.NodeKind.DO and wire.actions_of(body) == [action, action]
+
+
+@pytest.mark.parametrize("body", [{}, {"actions": "Kill"}, {"actions": [{"type": "Nope", "fields": {}}]},
+                                  {"actions": [["Kill"]]}])
+def test_a_malformed_do_message_is_a_protocol_error(body):
+    with pytest.raises(ProtocolError):
+        wire.actions_of(body)
 
 
 def multinode_sim(**config) -> Sim:
