@@ -10,7 +10,9 @@ final state compared with a failure-free run of the same configuration.
 Each run draws (from ``--seed`` and its index only) a configuration (a zoo script or examples/train_dp.py, a
 world size) and one or two faults: ``--fault RANK:STEP:PHASE:KIND`` injected by swiftrun (only the phases the
 runtime in this checkout accepts are drawn), or an external SIGKILL/SIGSTOP of a random child process of the
-launcher at a uniformly random time over the whole run (start-up included). Classes (docs/FAULT_CAMPAIGN.md):
+launcher at a uniformly random time over the whole run (start-up included; with ``--external-window train``, of a
+rank's process at a uniform time over the failure-free run's training steps, its survivors checked as for
+pipelines below). Classes (docs/FAULT_CAMPAIGN.md):
 
 EXACT    exit 0, every rank's final state bitwise equal to the failure-free run's
 CLOSE    exit 0, within 1e-6 relative (of the largest magnitude of the entry's kind, e.g. every momentum buffer),
@@ -474,7 +476,7 @@ class Campaign:
         outcome.launcher_lost = next((r.get("time_lost") for r in records if r.get("event") == "job_end"), None)
         own = swiftrun_tracebacks(output)
         changed = ""
-        if plan.config in PIPELINES:
+        if plan.config in PIPELINES or any("rank" in e for e in plan.external):
             changed = survivors_changed(records, killed_ranks(notes))
             restarted = any(r.get("event") == "restart" for r in records)
             outcome.survivors = "restart of every worker" if restarted else (changed or "kept")
@@ -575,7 +577,7 @@ def runtime_phases() -> tuple[str, ...]:
 
 
 def draw(index: int, seed: int, configs: list[str], worlds: list[int], phases: tuple[str, ...],
-         external_share: float) -> Plan:
+         external_share: float, external_window: str = "run") -> Plan:
     rng = random.Random(f"{seed}:{index}")
     config = rng.choice(configs)
     world = rng.choice(worlds)
@@ -590,8 +592,13 @@ def draw(index: int, seed: int, configs: list[str], worlds: list[int], phases: t
             plan.script = ["--crash", f"{rng.randrange(world)}:{step}:{rng.choice(('eval', 'barrier'))}"]
             continue
         if rng.random() < external_share:
-            plan.external.append({"signal": rng.choice(("SIGKILL", "SIGKILL", "SIGSTOP")),
-                                  "at": round(rng.uniform(0.0, 1.0), 3), "pick": rng.randrange(1 << 16)})
+            item = {"signal": rng.choice(("SIGKILL", "SIGKILL", "SIGSTOP")), "at": round(rng.uniform(0.0, 1.0), 3),
+                    "pick": rng.randrange(1 << 16)}
+            if external_window == "train":  # a rank's process, during the training steps (drawn after the rest,
+                # so that a seed's other draws are the same as with --external-window run)
+                item.update(window="train", rank=rng.randrange(world))
+                del item["pick"]
+            plan.external.append(item)
             continue
         phase = rng.choice([p for p in usable if p != "transfer" or number == 0])
         kind = rng.choice(KINDS)
@@ -636,6 +643,9 @@ def main() -> None:
     parser.add_argument("--phases", default=",".join(ALL_PHASES),
                         help="phases to draw (intersected with those the runtime accepts)")
     parser.add_argument("--external-share", type=float, default=0.3, help="share of external signals")
+    parser.add_argument("--external-window", choices=("run", "train"), default="run",
+                        help="external signals: a random child of the launcher at a uniform time over the whole "
+                             "run (start-up is most of a short run), or a rank during the training steps")
     parser.add_argument("--deadline", type=float, default=90.0, help="hard timeout of one run, seconds")
     parser.add_argument("--out", default="/tmp/swiftrun-campaign")
     parser.add_argument("--pp-scenario", choices=SCENARIOS, default="single",
@@ -664,18 +674,19 @@ def main() -> None:
         if pipelines:
             plan = draw_pipeline(index, args.seed, configs, args.pp_scenario)
         else:
-            plan = draw(index, args.seed, configs, worlds, phases, args.external_share)
+            plan = draw(index, args.seed, configs, worlds, phases, args.external_share, args.external_window)
         outcome = campaign.run(plan)
         outcomes.append(outcome)
         if pipelines:
             what = " ".join(f"kill:r{e['rank']}@" + (f"{e['after_event']}" if e.get("after_event")
                                                       else f"{e['window']}{e['at']:.2f}") for e in plan.external)
         else:
-            what = " ".join(plan.faults + [f"ext:{e['signal']}@{e['at']:.2f}" for e in plan.external]
+            what = " ".join(plan.faults + [f"ext:{e['signal']}" + (f":r{e['rank']}@train" if "rank" in e else "@")
+                                           + f"{e['at']:.2f}" for e in plan.external]
                             + [f"crash:{plan.script[1]}" for _ in plan.script[:1]])
         modes = ",".join(str(r.get("mode")) for r in outcome.recoveries) or "-"
         extra = ""
-        if pipelines:
+        if pipelines or any("rank" in e for e in plan.external):
             notes = "; ".join(e.get("note", "") for e in outcome.external)
             extra = f" lost={outcome.time_lost}s survivors={outcome.survivors} [{notes}]"
         print(f"[{index:3d}] {plan.config:<16} w{plan.world} {what:<44} {outcome.verdict:<8} "
