@@ -42,6 +42,7 @@ from swiftrun.snapshot import JobSnapshot
 
 SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots
 PROGRESS_PERIOD = 0.25  # seconds between sampled progress events in the event log
+ZYGOTE_RESTARTS = 3  # a zygote that died (killed from outside, OOM) is started again this many times per agent
 
 
 class Agent:
@@ -78,6 +79,8 @@ class Agent:
         self.job: Job | None = None
         self._reaped: set[int] = set()
         self.zygote = ZygoteClient()
+        self._zygote_restarts = 0
+        self._zygote_noted = False
         self._forking: dict[int, _PendingFork] = {}  # slot -> a FORK the zygote has not answered yet
         self._early_hellos: dict[int, tuple[bytes, protocol.Hello]] = {}  # pid -> HELLO that beat its FORKED
         self._idle_sent = False
@@ -497,11 +500,27 @@ class Agent:
                 continue
             self._spawn(pending.action)
         self._early_hellos.clear()
+        self._restart_zygote()
+
+    def _restart_zygote(self) -> None:
+        """A zygote that was killed or stopped from outside (not one whose warm-up failed: that would fail again)
+        is started anew, a few times, so that later spares and replacements come warm again; until it is warm
+        they start cold."""
+        failure = self.zygote.failure or ""
+        if failure.startswith("its warm-up failed") or self._zygote_restarts >= ZYGOTE_RESTARTS or \
+                self.exit_code is not None:
+            return
+        self._zygote_restarts += 1
+        self.zygote = ZygoteClient()
+        self._zygote_noted = False
+        self._note(f"starting a new zygote ({self._zygote_restarts} of at most {ZYGOTE_RESTARTS})")
+        self._start_zygote()
 
     def _zygote_note(self) -> None:
-        if self.zygote.state is ZygoteState.FAILED and not getattr(self, "_zygote_noted", False):
+        if self.zygote.state is ZygoteState.FAILED and not self._zygote_noted:
             self._zygote_noted = True
-            self._note(f"zygote stopped ({self.zygote.failure}): spares and replacements start cold from now on")
+            again = " until a new one is warm" if self._zygote_restarts < ZYGOTE_RESTARTS else " from now on"
+            self._note(f"zygote stopped ({self.zygote.failure}): spares and replacements start cold{again}")
             self.event_log.write(EventName.ZYGOTE, state="failed", reason=self.zygote.failure)
 
     def _reap_orphans(self) -> None:

@@ -34,7 +34,7 @@ class ZygoteState(str, enum.Enum):
     OFF = "off"  # not started (no spares for this job, or not started yet)
     WARMING = "warming"  # importing torch; FORKs wait for it
     WARM = "warm"  # forks in milliseconds
-    FAILED = "failed"  # gone for good: workers start cold
+    FAILED = "failed"  # gone: workers start cold (the agent may start a new zygote, a new client)
 
 
 @dataclass(frozen=True)
