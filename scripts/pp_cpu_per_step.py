@@ -21,8 +21,10 @@ import runpy
 import sys
 import threading
 import time
+from pathlib import Path
 
-import swiftrun
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's swiftrun, like the other benches
+import swiftrun  # noqa: E402
 
 FROM = int(os.environ.get("CPU_FROM", "200"))
 TO = int(os.environ.get("CPU_TO", "0"))
@@ -45,6 +47,8 @@ def threads_cpu() -> dict[str, tuple[str, float]]:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or not os.path.isfile(sys.argv[1]):
+        raise SystemExit("usage: pp_cpu_per_step.py SCRIPT [ARGS...]  (a training script that uses swiftrun.Run.steps)")
     rank = os.environ.get("RANK", "0")
     os.makedirs(OUT, exist_ok=True)
     with open(f"{OUT}/pid.rank{rank}", "w") as f:
