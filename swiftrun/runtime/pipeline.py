@@ -259,11 +259,10 @@ class Pipeline:
         stage.backward_one_chunk = timed_backward
 
     def _record(self, key: Key, tensor: torch.Tensor) -> None:
-        copy = _host_copy(tensor)
-        self.log.put(key, copy)
-        nbytes = copy.numel() * copy.element_size()
+        nbytes = self.log.put(key, _host_copy(tensor))
         boundary = (key[2], key[3])
-        self._volume_now[boundary] = self._volume_now.get(boundary, 0) + nbytes
+        volume = self._volume_now
+        volume[boundary] = volume.get(boundary, 0) + nbytes
 
     def _serve(self, kind: str, index: int, mb: int, infos: tuple) -> None:
         assert self.replay is not None

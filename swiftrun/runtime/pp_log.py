@@ -60,11 +60,17 @@ class LogStore:
     def total_bytes(self) -> int:
         return self.memory_bytes + self.disk_bytes
 
-    def put(self, key: tuple, tensor: torch.Tensor) -> None:
-        self.pop(key)
+    def put(self, key: tuple, tensor: torch.Tensor) -> int:
+        """Log ``tensor`` under ``key`` (replacing an entry of that key); returns its size in bytes. Called for
+        every sent tensor: the common case (a new key, under the memory limit) is kept to a few dict operations."""
+        if key in self._entries:
+            self.pop(key)
         self._entries[key] = tensor
-        self.memory_bytes += _nbytes(tensor)
-        self._spill()
+        nbytes = _nbytes(tensor)
+        self.memory_bytes += nbytes
+        if self.memory_bytes > self.memory_limit:
+            self._spill()
+        return nbytes
 
     def get(self, key: tuple) -> torch.Tensor | None:
         value = self._entries.get(key)

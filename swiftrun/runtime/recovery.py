@@ -594,8 +594,8 @@ class Recovery:
                 self._records.setdefault(self.step, {})[index] = undo.StepRecord(
                     id(optimizer), (), unavailable_reason="the optimizer stepped twice in one iteration")
             elif undo.invertible(optimizer)[0]:
-                self._records.setdefault(self.step, {})[index] = undo.capture(optimizer,
-                                                                              copy_grads=self.keep_last_update)
+                self._records.setdefault(self.step, {})[index] = undo.capture(
+                    optimizer, copy_grads=self.keep_last_update, known_invertible=True)
         return pre_hook
 
     def _make_post_hook(self, index: int):

@@ -16,13 +16,19 @@ the step), but a step also changes things no inverse formula covers:
 - the RNG streams (Python, NumPy, torch, CUDA).
 
 :class:`StepSnapshot` holds all of that for one step. Copies are made into tensors allocated once and reused
-(``copy_``), so a step costs a memcpy of the buffers and user state and no allocation.
+(``copy_``), so a step costs a memcpy of the buffers and user state and no allocation. The rest is kept cheap
+because it runs at every step start (a 10 ms pipeline step showed it): immutable settings are kept by reference
+rather than deep-copied, the buffers and the parameters' version counters come from one walk over the modules,
+and NumPy's global generator is read only once something imported ``numpy.random`` (reading it cost more than
+the rest of the snapshot together, for a generator nobody had created).
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,16 +40,72 @@ Tree = Any
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    """The global RNG streams a script may draw from: Python's, torch's CPU one, NumPy's legacy global one once
+    ``numpy.random`` is imported (accessing ``np.random`` here would import it), and the CUDA ones once CUDA is
+    initialised."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.default_generator.get_state()}
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        state["numpy"] = _numpy_state(np_random)
+    if torch.cuda.is_initialized():  # never True without CUDA; cheaper than is_available()
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+class NumpyGlobalState:
+    """NumPy's legacy global generator's state, read cheaply when it did not change.
+
+    ``np.random.get_state()`` costs 25 us (MT19937 copies its 624-word key element by element in Python-level
+    code): more than the rest of a step's snapshot, at every step start, and torch.distributed.pipelining imports
+    numpy.random (through torch._dynamo) whether or not a script draws from it. The bit generator's public ctypes
+    interface gives the address of its raw state (the key and the position: 2500 bytes, read in 0.3 us). The full
+    state is ``(key, pos)`` plus the legacy Gaussian cache (``has_gauss``, ``gauss``), which only ``get_state``
+    reads. So: the last full read is reused while the raw bytes are unchanged *and* that read's Gaussian cache
+    was empty. Exact because any draw moves the position or the key (MT19937 returns to a state only after its
+    period), and filling the cache is a Gaussian draw; a non-empty cache could be consumed without a draw, so it
+    is read in full again every time. (One case escapes: ``set_state`` of a tuple whose key and position equal
+    the current ones but whose cache is full; nobody writes that.) The raw layout is checked against
+    ``get_state`` once; if it differs (another NumPy, another bit generator) every read is a full one."""
+
+    RAW_BYTES = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
+
+    def __init__(self, np_random: Any) -> None:
+        self.full = np_random.get_state  # bound to the global RandomState the module's functions use
+        self.address: int | None = None
+        self.last: tuple[bytes, tuple] | None = None
+        try:
+            generator = self.full.__self__._bit_generator
+            if type(generator).__name__ == "MT19937":
+                address = generator.ctypes.state_address
+                raw = ctypes.string_at(address, self.RAW_BYTES)
+                _, key, pos, _, _ = self.full()
+                if raw[:-4] == key.astype("=u4").tobytes() and int.from_bytes(raw[-4:], sys.byteorder,
+                                                                                 signed=True) == pos:
+                    self.address = address
+        except Exception:  # noqa: BLE001 - any surprise in NumPy's internals: full reads, always correct
+            self.address = None
+
+    def __call__(self) -> tuple:
+        if self.address is None:
+            return self.full()
+        raw = ctypes.string_at(self.address, self.RAW_BYTES)
+        last = self.last
+        if last is not None and last[0] == raw:
+            return last[1]
+        state = self.full()
+        self.last = (raw, state) if not state[3] else None  # state[3]: has_gauss
+        return state
+
+
+_numpy_reader: NumpyGlobalState | None = None
+
+
+def _numpy_state(np_random: Any) -> tuple:
+    global _numpy_reader
+    reader = _numpy_reader
+    if reader is None or reader.full != np_random.get_state:
+        reader = _numpy_reader = NumpyGlobalState(np_random)
+    return reader()
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -96,6 +158,25 @@ def param_versions(reg: Registry) -> int:
     return sum(p._version for model in reg.models for p in model.parameters())
 
 
+def buffers_and_versions(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
+    """``dict(model.named_buffers())`` and the sum of ``p._version`` over ``model.parameters()`` in one walk over
+    the modules (each a walk of its own before; same names, same de-duplication of shared modules and tensors)."""
+    buffers: dict[str, torch.Tensor] = {}
+    versions = 0
+    seen_buffers: set[int] = set()
+    seen_params: set[int] = set()
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and id(buf) not in seen_buffers:
+                seen_buffers.add(id(buf))
+                buffers[f"{prefix}.{name}" if prefix else name] = buf
+        for param in module._parameters.values():
+            if param is not None and id(param) not in seen_params:
+                seen_params.add(id(param))
+                versions += param._version
+    return buffers, versions
+
+
 class Transaction:
     """Takes the snapshot of each step as it starts and puts it back when the step must be redone.
 
@@ -112,17 +193,22 @@ class Transaction:
         reg = self.reg
         slot = step % len(self._copiers)
         copier = self._copiers[slot]
+        buffers, versions = [], 0
         with torch.no_grad():
+            for i, model in enumerate(reg.models):
+                live, counted = buffers_and_versions(model)
+                buffers.append(copier.freeze(live, f"b{i}"))
+                versions += counted
             snap = StepSnapshot(
                 step=step,
-                buffers=[copier.freeze(dict(model.named_buffers()), f"b{i}") for i, model in enumerate(reg.models)],
-                hyperparameters=[[copier.freeze(_group_settings(g), f"h{i}.{j}")
-                                  for j, g in enumerate(opt.param_groups)] for i, opt in enumerate(reg.optimizers)],
+                buffers=buffers,
+                hyperparameters=[[_settings(g, copier, f"h{i}.{j}") for j, g in enumerate(opt.param_groups)]
+                                 for i, opt in enumerate(reg.optimizers)],
                 schedulers=[copy.deepcopy(s.state_dict()) for s in reg.schedulers],
                 scaler=copy.deepcopy(reg.scaler.state_dict()) if reg.scaler is not None else None,
                 user=copier.freeze(reg.user_state_dict(), "u") if reg.user_state is not None else None,
                 rng=rng_state(),
-                param_versions=param_versions(reg),
+                param_versions=versions,
             )
         self._snaps[slot] = snap
         self.current = snap
@@ -169,8 +255,21 @@ class Transaction:
             reg.load_user_state(_clone_tree(snap.user))
 
 
-def _group_settings(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+_IMMUTABLE = frozenset((int, float, bool, complex, str, bytes, type(None)))
+
+
+def _immutable(value: Any) -> bool:
+    """A value no one can change in place (a number, a string, a flat tuple of them: Adam's betas), so that
+    keeping a reference is keeping a copy. Exact types only: a subclass may carry mutable state."""
+    kind = type(value)
+    return kind in _IMMUTABLE or (kind is tuple and _IMMUTABLE.issuperset(map(type, value)))
+
+
+def _settings(group: dict[str, Any], copier: Copier, path: str) -> dict[str, Any]:
+    """A param group's settings but its params: immutable values by reference (deep-copying a dozen floats and
+    flags per group at every step start was most of the snapshot's cost), the rest (a tensor lr, a list) copied."""
+    return {k: v if _immutable(v) else copier.freeze(v, f"{path}.{k}")
+            for k, v in group.items() if k != "params"}
 
 
 def _clone_tree(tree: Tree) -> Tree:

@@ -147,15 +147,17 @@ def invertible(optimizer: Optimizer) -> tuple[bool, str]:
     return True, ""
 
 
-def capture(optimizer: Optimizer, copy_grads: bool) -> StepRecord:
+def capture(optimizer: Optimizer, copy_grads: bool, known_invertible: bool = False) -> StepRecord:
     """Call right before optimizer.step() (the runtime uses optimizer.register_step_pre_hook).
 
     copy_grads=False keeps references to the p.grad tensors plus their ._version counters (zero extra memory;
     note that a reference keeps a gradient alive after ``zero_grad(set_to_none=True)`` until the next capture);
     copy_grads=True clones them (the paper's one gradient-sized buffer). A group whose step itself overwrites
     ``p.grad`` (foreach SGD with Nesterov, see :func:`_step_overwrites_grads`) is always copied.
+    ``known_invertible``: the caller has just checked :func:`invertible` (it walks every parameter; a step's
+    pre-hook need not pay for it twice).
     """
-    ok, reason = invertible(optimizer)
+    ok, reason = (True, "") if known_invertible else invertible(optimizer)
     if not ok:
         return StepRecord(optimizer_id=id(optimizer), groups=(), unavailable_reason=reason)
     groups: list[GroupStep] = []

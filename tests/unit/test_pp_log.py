@@ -38,3 +38,11 @@ def test_dropping_entries_removes_their_files_and_bytes(tmp_path, monkeypatch):
     assert len(log) == 1 and torch.equal(log.get(entry(3, 0.0)[0]), torch.full((256,), 9.0))
     log.clear()
     assert len(log) == 0 and log.total_bytes == 0
+
+
+def test_put_returns_the_size_and_replacing_a_key_keeps_the_count_right():
+    log = LogStore(memory_limit=1 << 20)
+    key, value = entry(0, 1.0)
+    assert log.put(key, value) == 1024
+    assert log.put(key, torch.zeros(128)) == 512  # a redone step's send replaces the old one
+    assert len(log) == 1 and log.memory_bytes == 512 and torch.equal(log.get(key), torch.zeros(128))

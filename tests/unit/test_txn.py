@@ -200,3 +200,91 @@ def test_pre_step_copy_reuses_its_buffers():
         opt.step()
     assert {id(t) for t in copy._copier._buffers.values()} == kept
     assert copy.nbytes() == 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + momentum
+
+
+def _same_numpy_state(a, b):
+    import numpy as np
+
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_numpy_state_read_cheaply_is_always_the_full_state():
+    """The reader reuses its last full read only while NumPy's raw generator state is unchanged and the Gaussian
+    cache was empty: after every kind of use it must equal np.random.get_state() exactly."""
+    np = pytest.importorskip("numpy")
+    from swiftrun.runtime.txn import NumpyGlobalState
+
+    np.random.seed(3)
+    reader = NumpyGlobalState(np.random)
+    assert reader.address is not None  # the raw layout was recognised (else every read is a full one)
+    first = reader()
+    assert reader() is first  # nothing drawn: the full read is reused
+    uses = [
+        lambda: np.random.random(3),
+        lambda: np.random.standard_normal(1),  # fills the Gaussian cache
+        lambda: np.random.standard_normal(1),  # consumes it: the raw state does not move
+        lambda: None,
+        lambda: np.random.randint(0, 10, size=624),  # a whole key regeneration
+        lambda: np.random.seed(3),
+        lambda: np.random.set_state(first),
+        lambda: np.random.shuffle(list(range(5))),
+    ]
+    for use in uses:
+        use()
+        assert _same_numpy_state(reader(), np.random.get_state())
+    np.random.standard_normal(1)
+    cached = np.random.get_state()
+    assert cached[3] == 1 and reader() is not reader()  # a full cache is read in full every time
+    fallback = NumpyGlobalState(np.random)
+    fallback.address = None
+    assert _same_numpy_state(fallback(), np.random.get_state())
+
+
+def test_rng_state_restores_numpy_python_and_torch_bitwise():
+    np = pytest.importorskip("numpy")
+    from swiftrun.runtime.txn import rng_state, set_rng_state
+
+    np.random.seed(1)
+    np.random.standard_normal(1)  # a cached Gaussian travels too
+    saved = rng_state()
+    expected = (np.random.standard_normal(3), random.random(), torch.rand(2))
+    np.random.random(7)
+    random.random()
+    torch.rand(5)
+    set_rng_state(saved)
+    again = (np.random.standard_normal(3), random.random(), torch.rand(2))
+    assert np.array_equal(expected[0], again[0]) and expected[1] == again[1] and torch.equal(expected[2], again[2])
+
+
+def test_one_walk_finds_the_buffers_and_version_counters_named_buffers_and_parameters_give():
+    from swiftrun.runtime.txn import buffers_and_versions
+
+    shared = nn.BatchNorm1d(3)
+    model = nn.Sequential(nn.Linear(3, 3), shared, nn.Sequential(shared, nn.Linear(3, 3)))
+    model.register_buffer("none", None)
+    model[2][1].weight = model[0].weight  # a shared parameter counts once
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[2][1].bias.mul_(2.0)
+    found, versions = buffers_and_versions(model)
+    assert list(found) == [name for name, _ in model.named_buffers()]
+    assert all(found[name] is buf for name, buf in model.named_buffers())
+    assert versions == sum(p._version for p in model.parameters()) > 0
+
+
+def test_settings_keep_immutable_values_by_reference_and_copy_the_rest():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01), betas=(0.9, 0.99))
+    opt.param_groups[0]["custom"] = [1, 2]
+    reg = Registry.build(model, [opt], [], None, None)
+    txn = Transaction(reg)
+    snap = txn.begin(0)
+    saved = snap.hyperparameters[0][0]
+    group = opt.param_groups[0]
+    assert saved["betas"] is group["betas"] and saved["eps"] is group["eps"]
+    assert saved["lr"] is not group["lr"] and saved["custom"] is not group["custom"]
+    group["lr"].fill_(0.5)
+    group["custom"].append(3)
+    group["betas"] = (0.5, 0.5)
+    txn.restore(snap)
+    assert float(group["lr"]) == pytest.approx(0.01) and group["custom"] == [1, 2] and group["betas"] == (0.9, 0.99)
