@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import swiftrun_cmd, wait_until
+from tests.helpers import wait_until
 from tests.integration.multinode_support import (
     TRAIN, coordinator_cmd, node_cmd, start_node, stop_all,
 )
@@ -26,7 +26,10 @@ from tests.integration.test_multinode import _events, _pids, _step, alive
 PORT = 29500
 # a cut node fences itself after 2 s without a LEASE; the coordinator hands its slot out after 4 s of silence
 LEASE = ("--node-lease", "2", "--node-timeout", "4")
-ARGS = ("--steps", "300", "--optimizer", "adam", "--hidden", "64", "--layers", "3")
+# the random-SIGKILL test's configuration (tests/integration/test_recovery.py), so that the failure-free reference
+# (the session's `references` fixture) is computed once for both
+WORLD, STEPS = 4, 200
+ARGS = ("--steps", str(STEPS), "--optimizer", "adam", "--hidden", "64", "--layers", "3")
 EXTERNAL = "--external-coordinator"
 
 
@@ -43,9 +46,9 @@ def switch(marker):
 class Job:
     """One job's processes on the switch's hosts: the command lines, logs, and the job's event log."""
 
-    def __init__(self, switch: Switch, tmp: Path, marker: str, endpoint: Host, nproc: int, *flags: str) -> None:
-        self.switch, self.tmp, self.marker, self.endpoint, self.nproc = switch, tmp, marker, endpoint, nproc
-        self.flags = ("--spares", "0", "--heartbeat-timeout", "20", *LEASE, *flags)
+    def __init__(self, switch: Switch, tmp: Path, marker: str, endpoint: Host, flags: tuple[str, ...] = LEASE) -> None:
+        self.switch, self.tmp, self.marker, self.endpoint, self.nproc = switch, tmp, marker, endpoint, WORLD // 2
+        self.flags = ("--spares", "0", "--heartbeat-timeout", "20", *flags)
         self.script = (TRAIN, *ARGS, "--save-dir", str(tmp / "save"))
         self.events = tmp / "events.jsonl"
         self.procs: list[subprocess.Popen] = []
@@ -71,22 +74,13 @@ class Job:
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in _events(self.events) if e["event"] == kind]
 
-    def assert_exact(self) -> None:
+    def assert_exact(self, reference: Path) -> None:
         """Replicas bitwise equal, and the model of the failure-free run (one node, the same ranks)."""
-        world = 2 * self.nproc
-        ref = self.tmp / "ref"
-        proc = start_node(swiftrun_cmd("--nproc-per-node", str(world), "--heartbeat-interval", "0.2",
-                                       "--no-dashboard", "--spares", "0", TRAIN, *ARGS, "--save-dir", str(ref)),
-                          self.marker, self.tmp / "ref.log")
-        try:
-            assert proc.wait(timeout=120) == 0, (self.tmp / "ref.log").read_text()[-3000:]
-        finally:
-            stop_all([proc])
-        results = [flat_state(torch.load(self.tmp / "save" / f"rank{r}.pt")) for r in range(world)]
-        for r in range(1, world):
+        results = [flat_state(torch.load(self.tmp / "save" / f"rank{r}.pt")) for r in range(WORLD)]
+        for r in range(1, WORLD):
             for key in results[0]:
                 assert torch.equal(results[0][key], results[r][key]), f"replica {r} differs from rank 0 in {key}"
-        assert max_rel_diff(results[0], flat_state(torch.load(ref / "rank0.pt"))) <= 1e-5
+        assert max_rel_diff(results[0], flat_state(torch.load(reference / "rank0.pt"))) <= 1e-5
 
 
 def _wall(event: dict) -> float:
@@ -99,16 +93,26 @@ def _load() -> str:
 
 @pytest.mark.integration
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("takeover", ["hot-spare", pytest.param("restarted", marks=pytest.mark.extended)])
-def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, marker, switch, takeover):
+@pytest.mark.parametrize("takeover,heal", [
+    ("hot-spare", "late"),
+    pytest.param("hot-spare", "early", marks=pytest.mark.extended),
+    pytest.param("restarted", "late", marks=pytest.mark.extended),
+])
+def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, marker, switch, references,
+                                                                       takeover, heal):
     """Node 1's network is cut mid-run, its processes still running. While cut off, its agent finds its lease
     expired, kills its workers and exits 1; only then (after --node-timeout) does the coordinator hand slot 1 to a
     hot-spare node (or to node 1's command started again on a fresh host). The link comes back while the job
     trains on: nothing of the old incarnation reaches the job, which ends exit 0 with the failure-free model and
-    node 0's worker pids unchanged."""
-    nproc = 1 if takeover == "hot-spare" else 2
+    node 0's worker pids unchanged.
+
+    heal="early": the link comes back as soon as the old agent has fenced itself, before --node-timeout, so what
+    its sockets still held when it exited (its last BEATs and its reports of the workers it killed, queued in
+    the kernel while cut off) reaches a coordinator that still counts node 1 live, followed by the connection's
+    close: a loud loss then, with the same outcome."""
     n0, n1 = switch.host("n0"), switch.host("n1")
-    job = Job(switch, tmp_path, marker, n0, nproc)
+    job = Job(switch, tmp_path, marker, n0)
+    nproc = job.nproc
     ranks0, ranks1 = tuple(range(nproc)), tuple(range(nproc, 2 * nproc))
     node0 = job.node(n0, 0, "--event-log", str(job.events))
     node1 = job.node(n1, 1)
@@ -128,13 +132,18 @@ def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, m
         fenced_at = time.time()
         assert "fenced: no word from the coordinator" in job.log("n1.log")
         wait_until(lambda: not any(alive(pid) for pid in old_workers), timeout=10, what="the old workers to go")
+        if heal == "early":
+            assert not job.events_of("node_lost"), "node 1 was declared lost before its agent fenced itself"
+            switch.heal(n1)
+            healed_at = time.time()
         wait_until(lambda: job.events_of("node_lost"), timeout=30, what="node 1 declared lost")
         if takeover == "restarted":  # the same command on a fresh machine (the old one is still unreachable)
             others.append(job.node(switch.host("n1b"), 1, log="n1b.log"))
         wait_until(lambda: job.events_of("recovery_end"), timeout=120, what="the recovery to end")
-        assert _step(job.events) < 290, "training ended before the link came back: lengthen the run"
-        switch.heal(n1)
-        healed_at = time.time()
+        if heal == "late":
+            assert _step(job.events) < STEPS - 10, "training ended before the link came back: lengthen the run"
+            switch.heal(n1)
+            healed_at = time.time()
         codes = [p.wait(timeout=300) for p in others]
         assert codes == [0] * len(others), job.log("n0.log")[-3000:]
     finally:
@@ -142,7 +151,8 @@ def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, m
     log = _events(job.events)
     lost = job.events_of("node_lost")
     assert [(e["slot"], e["incarnation"]) for e in lost] == [(1, 0)], lost
-    assert lost[0]["cause"].startswith("silent for more than 4s"), lost  # a partition shows as silence
+    if heal == "late":  # a partition shows as silence
+        assert lost[0]["cause"].startswith("silent for more than 4s"), lost
     # the lease ran out before the slot was handed out: never two live incarnations of slot 1
     handed = job.events_of("node_takeover" if takeover == "hot-spare" else "node_joined")[-1]
     assert handed["slot"] == 1 and handed["incarnation"] == 1, handed
@@ -151,7 +161,69 @@ def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, m
     assert [(e["outcome"], e["failed_ranks"]) for e in ended] == [("recovered", list(ranks1))], ended
     assert _pids(log, ranks0) == survivors  # node 0's workers kept their processes throughout
     resumed = next(e for e in log if e["event"] == "recovery_phase" and e["phase"] == "resume")
-    print(f"\npartition ({takeover}): cut -> fenced {fenced_at - cut_at:.2f}s, cut -> node lost "
+    print(f"\npartition ({takeover}, heal {heal}): cut -> fenced {fenced_at - cut_at:.2f}s, cut -> node lost "
           f"{_wall(lost[0]) - cut_at:.2f}s, cut -> training resumed {_wall(resumed) - cut_at:.2f}s, healed "
           f"{healed_at - cut_at:.2f}s after the cut (load {_load()})")
-    job.assert_exact()
+    job.assert_exact(references(WORLD, "adam", STEPS))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.extended
+def test_a_short_partition_is_ridden_out(tmp_path, marker, switch, references):
+    """Node 1 cut off for 1 s, well under its 3 s lease: training stalls (its all-reduces wait on the cut link),
+    then TCP retransmits what was in flight and the job goes on as if nothing happened: no node lost, no
+    recovery, no process replaced, exit 0, the failure-free model."""
+    n0, n1 = switch.host("n0"), switch.host("n1")
+    job = Job(switch, tmp_path, marker, n0, ("--node-lease", "3", "--node-timeout", "6"))
+    nodes = [job.node(n0, 0, "--event-log", str(job.events)), job.node(n1, 1)]
+    try:
+        wait_until(lambda: _step(job.events) >= 30, timeout=240, what="training past step 30")
+        pids = _pids(_events(job.events), tuple(range(WORLD)))
+        switch.cut(n1)
+        before = _step(job.events)
+        time.sleep(1.0)  # the partition itself: how long the link stays down, not a wait for anything
+        stalled = _step(job.events)
+        switch.heal(n1)
+        assert stalled - before <= 3, "training went on while node 1 was cut off: was it?"
+        assert [p.wait(timeout=200) for p in nodes] == [0, 0], job.log("n0.log")[-3000:]
+    finally:
+        stop_all(job.procs)
+    log = _events(job.events)
+    assert not [e for e in log if e["event"] in ("node_lost", "recovery_start", "worker_failed", "restart")]
+    assert _pids(log, tuple(range(WORLD))) == pids and len(pids) == WORLD  # one process per rank, throughout
+    assert "fenced" not in job.log("n1.log")
+    job.assert_exact(references(WORLD, "adam", STEPS))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+@pytest.mark.extended
+def test_a_partitioned_coordinator_fences_every_agent(tmp_path, marker, switch):
+    """`swiftrun coordinator` on a host of its own, cut off from every node mid-run: each agent, hearing nothing
+    for --node-lease, kills its workers and exits 1 saying why, while the coordinator cannot even tell them; the
+    coordinator declares both nodes lost after --node-timeout and, every node gone (a restart of all, which
+    --max-restarts 0 forbids), ends the job with exit 1 and the failure summary. No process is left."""
+    c, n0, n1 = switch.host("coordinator"), switch.host("n0"), switch.host("n1")
+    job = Job(switch, tmp_path, marker, c)
+    coordinator = job.coordinator(c)
+    nodes = [job.node(n, k, EXTERNAL) for k, n in enumerate((n0, n1))]
+    try:
+        wait_until(lambda: _step(job.events) >= 10, timeout=120, what="training to start")
+        workers = _pids(_events(job.events), tuple(range(WORLD)))
+        switch.cut(c)
+        t0 = time.monotonic()
+        assert [p.wait(timeout=30) for p in nodes] == [1, 1]
+        fenced = time.monotonic() - t0
+        for n in ("n0", "n1"):
+            assert "fenced: no word from the coordinator" in job.log(f"{n}.log")
+        wait_until(lambda: not any(alive(pid) for pid in workers), timeout=10, what="the workers to go")
+        wait_until(lambda: len(job.events_of("node_lost")) == 2, timeout=30, what="both nodes declared lost")
+        switch.heal(c)
+        assert coordinator.wait(timeout=60) == 1, job.log("coordinator.log")[-3000:]
+    finally:
+        stop_all(job.procs)
+    text = job.log("coordinator.log")
+    assert "node slot 0 lost: silent for more than 4s" in text and "Traceback" not in text, text[-3000:]
+    assert [e["outcome"] for e in job.events_of("job_end")] == ["failed"], job.events_of("job_end")
+    print(f"\ncoordinator cut off: both agents fenced {fenced:.2f}s after the cut (load {_load()})")
