@@ -113,11 +113,17 @@ class NodeTable:
         silent = [n for n in self.current() if now - n.last_seen > self.node_timeout]
         return [n for n in silent if self.lose(n.identity) is not None]
 
-    def take_over(self, slot: int, now: float) -> Node | None:
-        """Give vacant ``slot`` to a waiting hot-spare node (the longest waiting first), or None."""
+    def take_over(self, slot: int, now: float, fresh_within: float | None = None) -> Node | None:
+        """Give vacant ``slot`` to a waiting hot-spare node (the longest waiting first), or None.
+
+        ``fresh_within``: only to a spare heard from within that many seconds. One that went quiet is frozen,
+        dead or cut off (or soon fences itself: its lease is renewed only by the answers to its beats), and a
+        slot handed to it would wait for --node-timeout and cost a second recovery; a spare merely late is
+        handed the slot at its next beat instead."""
         if self.holder.get(slot) is not None:
             return None
-        spares = sorted((n for n in self.current() if n.state is NodeState.SPARE), key=lambda n: n.joined_at)
+        spares = sorted((n for n in self.current() if n.state is NodeState.SPARE
+                         and (fresh_within is None or now - n.last_seen <= fresh_within)), key=lambda n: n.joined_at)
         if not spares:
             return None
         spare = spares[0]

@@ -7,6 +7,8 @@ available."""
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -29,7 +31,10 @@ LEASE = ("--node-lease", "2", "--node-timeout", "4")
 # the random-SIGKILL test's configuration (tests/integration/test_recovery.py), so that the failure-free reference
 # (the session's `references` fixture) is computed once for both
 WORLD, STEPS = 4, 200
-ARGS = ("--steps", str(STEPS), "--optimizer", "adam", "--hidden", "64", "--layers", "3")
+
+
+def args(steps: int) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--optimizer", "adam", "--hidden", "64", "--layers", "3")
 EXTERNAL = "--external-coordinator"
 
 
@@ -46,10 +51,12 @@ def switch(marker):
 class Job:
     """One job's processes on the switch's hosts: the command lines, logs, and the job's event log."""
 
-    def __init__(self, switch: Switch, tmp: Path, marker: str, endpoint: Host, flags: tuple[str, ...] = LEASE) -> None:
+    def __init__(self, switch: Switch, tmp: Path, marker: str, endpoint: Host, flags: tuple[str, ...] = LEASE,
+                 steps: int = STEPS) -> None:
         self.switch, self.tmp, self.marker, self.endpoint, self.nproc = switch, tmp, marker, endpoint, WORLD // 2
         self.flags = ("--spares", "0", "--heartbeat-timeout", "20", *flags)
-        self.script = (TRAIN, *ARGS, "--save-dir", str(tmp / "save"))
+        self.steps = steps
+        self.script = (TRAIN, *args(steps), "--save-dir", str(tmp / "save"))
         self.events = tmp / "events.jsonl"
         self.procs: list[subprocess.Popen] = []
 
@@ -74,8 +81,9 @@ class Job:
     def events_of(self, kind: str) -> list[dict]:
         return [e for e in _events(self.events) if e["event"] == kind]
 
-    def assert_exact(self, reference: Path) -> None:
+    def assert_exact(self, references) -> None:
         """Replicas bitwise equal, and the model of the failure-free run (one node, the same ranks)."""
+        reference = references(WORLD, "adam", self.steps)
         results = [flat_state(torch.load(self.tmp / "save" / f"rank{r}.pt")) for r in range(WORLD)]
         for r in range(1, WORLD):
             for key in results[0]:
@@ -164,7 +172,7 @@ def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, m
     print(f"\npartition ({takeover}, heal {heal}): cut -> fenced {fenced_at - cut_at:.2f}s, cut -> node lost "
           f"{_wall(lost[0]) - cut_at:.2f}s, cut -> training resumed {_wall(resumed) - cut_at:.2f}s, healed "
           f"{healed_at - cut_at:.2f}s after the cut (load {_load()})")
-    job.assert_exact(references(WORLD, "adam", STEPS))
+    job.assert_exact(references)
 
 
 @pytest.mark.integration
@@ -193,7 +201,7 @@ def test_a_short_partition_is_ridden_out(tmp_path, marker, switch, references):
     assert not [e for e in log if e["event"] in ("node_lost", "recovery_start", "worker_failed", "restart")]
     assert _pids(log, tuple(range(WORLD))) == pids and len(pids) == WORLD  # one process per rank, throughout
     assert "fenced" not in job.log("n1.log")
-    job.assert_exact(references(WORLD, "adam", STEPS))
+    job.assert_exact(references)
 
 
 @pytest.mark.integration
@@ -227,3 +235,53 @@ def test_a_partitioned_coordinator_fences_every_agent(tmp_path, marker, switch):
     assert "node slot 0 lost: silent for more than 4s" in text and "Traceback" not in text, text[-3000:]
     assert [e["outcome"] for e in job.events_of("job_end")] == ["failed"], job.events_of("job_end")
     print(f"\ncoordinator cut off: both agents fenced {fenced:.2f}s after the cut (load {_load()})")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+@pytest.mark.extended
+@pytest.mark.parametrize("kill", ["at-once", "after-its-fence"])
+def test_a_hot_spare_cut_off_before_it_is_needed(tmp_path, marker, switch, references, kill):
+    """The hot spare is cut off, then node 1 dies (SIGKILL, a loud loss). at-once: the coordinator cannot know
+    yet, hands slot 1 to the spare, which never hears of it and fences itself; once the spare is declared lost
+    (--node-timeout), a second recovery waits for slot 1 again. after-its-fence: the spare, quiet for more than a
+    few beats, is passed over (before the fix it got the slot, and the job waited --node-timeout more for a
+    process that had already fenced itself), so slot 1 just waits, one recovery. Either way node 1's command,
+    started again on a fresh host, takes slot 1: exit 0, the failure-free model, node 0's workers untouched."""
+    n0, n1, spare = switch.host("n0"), switch.host("n1"), switch.host("spare")
+    job = Job(switch, tmp_path, marker, n0, steps=1000)  # training goes on while the spare fences itself
+    node0 = job.node(n0, 0, "--event-log", str(job.events))
+    node1 = job.node(n1, 1)
+    hot = job.node(spare, 2)
+    try:
+        wait_until(lambda: _step(job.events) >= 30 and any(e["slot"] is None for e in job.events_of("node_joined")),
+                   timeout=240, what="training past step 30 with the hot spare joined")
+        survivors = _pids(_events(job.events), (0, 1))
+        switch.cut(spare)
+        if kill == "after-its-fence":
+            assert hot.wait(timeout=30) == 1
+        assert _step(job.events) < job.steps - 100, "training nearly over before the kill: lengthen the run"
+        os.killpg(node1.pid, signal.SIGKILL)
+        assert hot.wait(timeout=30) == 1 and "fenced" in job.log("spare.log"), job.log("spare.log")[-3000:]
+        wait_until(lambda: len(job.events_of("node_lost")) == 2, timeout=30, what="the hot spare declared lost")
+        node1b = job.node(switch.host("n1b"), 1, log="n1b.log")
+        assert [node0.wait(timeout=300), node1b.wait(timeout=60)] == [0, 0], job.log("n0.log")[-3000:]
+    finally:
+        stop_all(job.procs)
+    log = _events(job.events)
+    lost = [(e["slot"], e["incarnation"]) for e in job.events_of("node_lost")]
+    outcomes = [e["outcome"] for e in job.events_of("recovery_end")]
+    # at once, the spare was heard from a moment ago: it takes the slot (unless, on a loaded machine, its last
+    # beat was already a few intervals old: then it is passed over as after its fence)
+    handed = bool(job.events_of("node_takeover"))
+    if handed:
+        assert kill == "at-once", "a spare that had fenced itself was handed the slot"
+        assert lost == [(1, 0), (1, 1)] and outcomes[-1] == "recovered", (lost, outcomes)
+    else:
+        assert lost == [(1, 0), (None, -1)] and outcomes == ["recovered"], (lost, outcomes)
+    joined = job.events_of("node_joined")[-1]
+    assert (joined["slot"], joined["incarnation"]) == (1, 2 if handed else 1), joined
+    assert _pids(log, (0, 1)) == survivors
+    print(f"\nhot spare cut off, node 1 killed {kill}: slot 1 {'handed to the spare' if handed else 'left vacant'}"
+          f", recoveries {outcomes} (load {_load()})")
+    job.assert_exact(references)

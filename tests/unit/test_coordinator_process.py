@@ -98,6 +98,34 @@ def test_every_node_lost_ends_the_job_and_the_coordinator_after_join_timeout(ser
     assert "node slot(s) 1 stayed vacant for more than 4s" in err, err
 
 
+def test_a_quiet_hot_spare_gets_a_lost_slot_only_at_its_next_beat(served):
+    """A hot spare silent for a few beats (cut off, frozen: it is about to fence itself) is not handed the slot of
+    a node lost meanwhile; the slot goes to it when it beats again: it then receives its LEASE, and only after it
+    the TAKE (had the slot been handed out at the loss, the TAKE would come first)."""
+    config, port, ctx, thread, result, sig_w = served
+    agents = [FakeAgent(ctx, port, k) for k in (0, 1, 2)]
+    for agent in agents:
+        agent.join(config)
+    for agent in agents[:2]:
+        spawn = wire.action_of(agent.recv(NodeKind.DO))
+        agent.send(NodeKind.REPORT, {"what": ReportKind.SPAWNED.value, "slot_id": spawn.slot_id, "data": {"pid": 9}})
+    quiet_from = time.monotonic()
+    while time.monotonic() - quiet_from < 5 * config.timeouts.heartbeat_interval:  # the spare misses 5 beats
+        agents[0].send(NodeKind.BEAT, {"seen": {}, "status": {}, "stopped": []})
+        agents[0].recv(NodeKind.LEASE)
+    agents[1].sock.close(linger=0)  # node 1 lost, loudly
+    agents[0].recv(NodeKind.DO)  # its survivor is told (ABORT): the loss was handled
+    assert not agents[2].sock.poll(0), "a quiet spare was handed the slot"
+    agents[2].send(NodeKind.BEAT, {"seen": {}, "status": {}, "stopped": []})
+    kind, _ = wire.decode(agents[2].sock.recv_multipart())
+    assert kind is NodeKind.LEASE
+    assert agents[2].recv(NodeKind.TAKE)["slot"] == 1
+    sig_w.send(bytes([signal.SIGTERM]))
+    for agent in agents:
+        agent.sock.close(linger=0)
+    thread.join(15)
+
+
 def test_a_signal_before_the_job_starts_ends_it_with_128_plus_the_signal(served):
     config, port, ctx, thread, result, sig_w = served
     agent = FakeAgent(ctx, port, 0)

@@ -74,6 +74,19 @@ def test_a_hot_spare_waits_and_takes_over_a_vacant_slot():
     assert t.full()
 
 
+def test_a_slot_goes_to_the_longest_waiting_spare_heard_from_lately():
+    t = table(1)
+    t.join(b"a", 0, FP, 0.0)
+    t.join(b"s1", 1, FP, 1.0)  # the longest waiting, but quiet since
+    t.join(b"s2", 2, FP, 2.0)
+    t.seen(b"s2", 9.5)
+    t.lose(b"a")
+    assert t.take_over(0, 10.0, fresh_within=0.3) is None  # nobody beat within 0.3 s
+    t.seen(b"s2", 10.1)
+    taken = t.take_over(0, 10.2, fresh_within=0.3)
+    assert taken is not None and taken.identity == b"s2" and taken.slot == 0
+
+
 def test_nobody_joins_a_finished_job():
     t = table()
     t.join(b"a", 0, FP, 0.0)
