@@ -78,7 +78,9 @@ class Coordinator:
         self.throughput = view.Throughput()
         self._next_publish = 0.0
         self._nodes_at_end: tuple[NodeView, ...] | None = None  # as the job ended: agents leaving then are not lost
-        self.nodes = NodeTable(config.nnodes[0], config.timeouts.node_timeout)
+        # nodes that went quiet together are lost together if their last beats are within 2 intervals
+        self.nodes = NodeTable(config.nnodes[0], config.timeouts.node_timeout,
+                               settle=2 * config.timeouts.heartbeat_interval)
         self.nodes.fingerprint = fingerprint(config)
         self.event_log = EventLog(event_log_path)
         self.job: Job | None = None
@@ -154,9 +156,8 @@ class Coordinator:
         return max(now, min(candidates))
 
     def _tick(self, now: float) -> None:
-        for node in self.nodes.tick(now):
-            self._node_gone(node, f"silent for more than {self.config.timeouts.node_timeout:g}s", now,
-                            detect=now - node.last_seen)
+        silent = f"silent for more than {self.config.timeouts.node_timeout:g}s"
+        self._nodes_gone([(node, silent, now - node.last_seen) for node in self.nodes.tick(now)], now)
         if self.job is None and self.exit_code is None and now - self.t0 > self.config.timeouts.join_timeout:
             missing = ", ".join(map(str, self.nodes.vacant()))
             self._note(f"node slot(s) {missing} did not join within {self.config.timeouts.join_timeout:g}s "
@@ -198,18 +199,20 @@ class Coordinator:
     # ------------------------------------------------------------------ messages
 
     def _drain_monitor(self) -> None:
+        gone: list[tuple[Node, str, float]] = []  # connections that closed together: one batch, one recovery
         while True:
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             event = parse_monitor_message(frames)
             fd = event["value"]
             identity = self._fd_identity.pop(fd, None)
             if event["event"] == zmq.EVENT_DISCONNECTED and identity is not None:
                 node = self.nodes.lose(identity)
                 if node is not None:
-                    self._node_gone(node, "its agent's connection closed", time.monotonic())
+                    gone.append((node, "its agent's connection closed", 0.0))
+        self._nodes_gone(gone, time.monotonic())
 
     def _drain_router(self) -> None:
         while True:
@@ -374,24 +377,32 @@ class Coordinator:
         self._send(spare.identity, NodeKind.TAKE, {"slot": slot, "incarnation": spare.incarnation})
         self._slot_filled(spare, now)
 
-    def _node_gone(self, node: Node, cause: str, now: float, detect: float = 0.0) -> None:
-        if self.exit_code is not None:
+    def _nodes_gone(self, gone: list[tuple[Node, str, float]], now: float) -> None:
+        """Nodes lost together ((node, cause, seconds since it went quiet) each): their slots fail in one Job
+        call, so one generation repairs them all."""
+        if not gone or self.exit_code is not None:
             return  # the job is over: agents leaving is expected
-        self._log(EventName.NODE_LOST, node_rank=node.node_rank, slot=node.slot, incarnation=node.incarnation,
-                  cause=cause, host=node.info.get("host"))
-        self._send(node.identity, NodeKind.FENCED, {"reason": f"this node was declared lost: {cause}"})
-        if node.slot is None:
-            self._note(f"hot-spare node rank {node.node_rank} left: {cause}")
+        lost: dict[int, tuple[str, float]] = {}
+        for node, cause, detect in gone:
+            self._log(EventName.NODE_LOST, node_rank=node.node_rank, slot=node.slot, incarnation=node.incarnation,
+                      cause=cause, host=node.info.get("host"))
+            self._send(node.identity, NodeKind.FENCED, {"reason": f"this node was declared lost: {cause}"})
+            if node.slot is None:
+                self._note(f"hot-spare node rank {node.node_rank} left: {cause}")
+                continue
+            self._note(f"node slot {node.slot} (node rank {node.node_rank}) lost: {cause}")
+            self.stopped.pop(node.slot, None)
+            if self.job is not None:
+                self.vacant_since[node.slot] = now
+                self.pending[node.slot] = []
+                lost[node.slot] = (cause, detect)
+        if not lost:
             return
-        self._note(f"node slot {node.slot} (node rank {node.node_rank}) lost: {cause}")
-        self.stopped.pop(node.slot, None)
-        if self.job is None or self.exit_code is not None:
-            return
-        self.vacant_since[node.slot] = now
-        self.pending[node.slot] = []
-        self._execute(self.job.on_node_lost(node.slot, now, cause, detect=detect), now)
-        if self.exit_code is None:
-            self._take_over(node.slot, now)
+        assert self.job is not None
+        self._execute(self.job.on_nodes_lost(lost, now), now)
+        for slot in sorted(lost):
+            if self.exit_code is None:
+                self._take_over(slot, now)
 
     # ------------------------------------------------------------------ actions
 

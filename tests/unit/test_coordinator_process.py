@@ -4,6 +4,7 @@ worker runs): the standalone coordinator's own behaviour, over real sockets on 1
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import socket
 import threading
@@ -17,14 +18,16 @@ from swiftrun.errors import LaunchError
 from swiftrun.launcher import _check_free, wait_reachable, wire
 from swiftrun.launcher.coordinator import Coordinator, fingerprint
 from swiftrun.launcher.wire import NodeKind, ReportKind
+from swiftrun.protocol import EventKind
 from tests.integration.multinode_support import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _config(port: int) -> LaunchConfig:
+def _config(port: int, nnodes: int = 2) -> LaunchConfig:
     return LaunchConfig(
-        entrypoint=Entrypoint(EntrypointKind.SCRIPT, "train.py", ("--lr", "1")), nproc_per_node=1, nnodes=(2, 2),
+        entrypoint=Entrypoint(EntrypointKind.SCRIPT, "train.py", ("--lr", "1")), nproc_per_node=1,
+        nnodes=(nnodes, nnodes),
         master_addr="127.0.0.1", master_port=port, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_id="j1", external_coordinator=True, spares=0,
         timeouts=Timeouts(heartbeat_interval=0.1, node_lease=1.0, node_timeout=2.0, shutdown_timeout=1.0,
@@ -59,9 +62,9 @@ class FakeAgent:
 
 
 @pytest.fixture
-def served(tmp_path):
+def served(tmp_path, request):
     port = free_port_pair()
-    config = _config(port)
+    config = _config(port, getattr(request, "param", 2))
     coordinator = Coordinator(config, tmp_path / "events.jsonl", registers=None, standalone=True)
     sig_r, sig_w = socket.socketpair()
     result: list[int] = []
@@ -120,6 +123,50 @@ def test_a_quiet_hot_spare_gets_a_lost_slot_only_at_its_next_beat(served):
     kind, _ = wire.decode(agents[2].sock.recv_multipart())
     assert kind is NodeKind.LEASE
     assert agents[2].recv(NodeKind.TAKE)["slot"] == 1
+    sig_w.send(bytes([signal.SIGTERM]))
+    for agent in agents:
+        agent.sock.close(linger=0)
+    thread.join(15)
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_nodes_cut_off_together_are_lost_in_one_recovery(served, tmp_path):
+    """Nodes 1 and 2 fall silent at the same instant (one switch), their last BEATs 50 ms apart: both are lost in
+    one batch, one recovery generation (before, node 2's loss came a tick later: a second generation)."""
+    config, port, ctx, thread, result, sig_w = served
+    agents = [FakeAgent(ctx, port, k) for k in range(3)]
+    for agent in agents:
+        agent.join(config)
+    for agent in agents:  # each node's worker starts and registers swiftrun.Run: the job is running
+        sid = wire.action_of(agent.recv(NodeKind.DO)).slot_id
+        agent.send(NodeKind.REPORT, {"what": ReportKind.SPAWNED.value, "slot_id": sid, "data": {"pid": 9}})
+        agent.send(NodeKind.REPORT, {"what": ReportKind.HELLO.value, "slot_id": sid, "data": {"gen": 0}})
+        agent.send(NodeKind.REPORT, {"what": ReportKind.EVENT.value, "slot_id": sid,
+                                     "data": {"gen": 0, "event": EventKind.REGISTERED.value, "data": {}}})
+    beat = {"seen": {}, "status": {}, "stopped": []}
+    agents[1].send(NodeKind.BEAT, beat)
+    agents[1].recv(NodeKind.LEASE)
+    quiet_from = time.monotonic()
+    while time.monotonic() - quiet_from < 0.05:
+        agents[0].send(NodeKind.BEAT, beat)
+        agents[0].recv(NodeKind.LEASE)
+    agents[2].send(NodeKind.BEAT, beat)
+    agents[2].recv(NodeKind.LEASE)
+    log = tmp_path / "events.jsonl"
+
+    def lost() -> list[dict]:
+        return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "node_lost"]
+
+    deadline = time.monotonic() + 10
+    while len(lost()) < 2 and time.monotonic() < deadline:  # node 0 beats on
+        agents[0].send(NodeKind.BEAT, beat)
+        agents[0].sock.poll(int(config.timeouts.heartbeat_interval * 1000))
+        while agents[0].sock.poll(0):
+            agents[0].sock.recv_multipart()
+    assert [e["slot"] for e in lost()] == [1, 2]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    (start,) = [e for e in events if e["event"] == "recovery_start"]
+    assert start["nodes"] == [1, 2] and start["failed_ranks"] == [1, 2], start
     sig_w.send(bytes([signal.SIGTERM]))
     for agent in agents:
         agent.sock.close(linger=0)
