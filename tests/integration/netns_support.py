@@ -104,12 +104,13 @@ class Switch:
         self.hosts[name] = host = Host(name, addr, holder, port)
         return host
 
-    def cut(self, host: Host) -> None:
-        """Partition ``host`` from every other: its port leaves the bridge (carrier stays up on both ends)."""
-        self.sh(f"ip link set {host.port} nomaster")
+    def cut(self, *hosts: Host) -> None:
+        """Partition ``hosts`` from every other host (and from each other), at the same instant: their ports
+        leave the bridge (carrier stays up on both ends)."""
+        self.sh(" && ".join(f"ip link set {h.port} nomaster" for h in hosts))
 
-    def heal(self, host: Host) -> None:
-        self.sh(f"ip link set {host.port} master {BRIDGE}")
+    def heal(self, *hosts: Host) -> None:
+        self.sh(" && ".join(f"ip link set {h.port} master {BRIDGE}" for h in hosts))
 
     def command(self, host: Host, cmd: list[str]) -> list[str]:
         """``cmd`` run on ``host`` (exec'd by nsenter: the returned command's process *is* the program)."""

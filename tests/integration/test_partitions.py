@@ -52,8 +52,10 @@ class Job:
     """One job's processes on the switch's hosts: the command lines, logs, and the job's event log."""
 
     def __init__(self, switch: Switch, tmp: Path, marker: str, endpoint: Host, flags: tuple[str, ...] = LEASE,
-                 steps: int = STEPS) -> None:
-        self.switch, self.tmp, self.marker, self.endpoint, self.nproc = switch, tmp, marker, endpoint, WORLD // 2
+                 steps: int = STEPS, nnodes: int = 2) -> None:
+        self.switch, self.tmp, self.marker, self.endpoint = switch, tmp, marker, endpoint
+        self.nnodes, self.nproc = nnodes, WORLD // 2 if nnodes == 2 else 1
+        self.world = self.nnodes * self.nproc
         self.flags = ("--spares", "0", "--heartbeat-timeout", "20", *flags)
         self.steps = steps
         self.script = (TRAIN, *args(steps), "--save-dir", str(tmp / "save"))
@@ -61,12 +63,12 @@ class Job:
         self.procs: list[subprocess.Popen] = []
 
     def node(self, host: Host, node_rank: int, *extra: str, log: str | None = None) -> subprocess.Popen:
-        cmd = node_cmd("swiftrun", 2, node_rank, PORT, *self.flags, *extra, *self.script, nproc=self.nproc,
+        cmd = node_cmd("swiftrun", self.nnodes, node_rank, PORT, *self.flags, *extra, *self.script, nproc=self.nproc,
                        host=self.endpoint.addr)
         return self._start(host, cmd, log or f"{host.name}.log")
 
     def coordinator(self, host: Host, *extra: str) -> subprocess.Popen:
-        cmd = coordinator_cmd(2, PORT, *self.flags, "--event-log", str(self.events), *extra, *self.script,
+        cmd = coordinator_cmd(self.nnodes, PORT, *self.flags, "--event-log", str(self.events), *extra, *self.script,
                               nproc=self.nproc, host=self.endpoint.addr)
         return self._start(host, cmd, f"{host.name}.log")
 
@@ -83,9 +85,9 @@ class Job:
 
     def assert_exact(self, references) -> None:
         """Replicas bitwise equal, and the model of the failure-free run (one node, the same ranks)."""
-        reference = references(WORLD, "adam", self.steps)
-        results = [flat_state(torch.load(self.tmp / "save" / f"rank{r}.pt")) for r in range(WORLD)]
-        for r in range(1, WORLD):
+        reference = references(self.world, "adam", self.steps)
+        results = [flat_state(torch.load(self.tmp / "save" / f"rank{r}.pt")) for r in range(self.world)]
+        for r in range(1, self.world):
             for key in results[0]:
                 assert torch.equal(results[0][key], results[r][key]), f"replica {r} differs from rank 0 in {key}"
         assert max_rel_diff(results[0], flat_state(torch.load(reference / "rank0.pt"))) <= 1e-5
@@ -284,4 +286,38 @@ def test_a_hot_spare_cut_off_before_it_is_needed(tmp_path, marker, switch, refer
     assert _pids(log, (0, 1)) == survivors
     print(f"\nhot spare cut off, node 1 killed {kill}: slot 1 {'handed to the spare' if handed else 'left vacant'}"
           f", recoveries {outcomes} (load {_load()})")
+    job.assert_exact(references)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+@pytest.mark.extended
+def test_two_nodes_cut_off_together_cost_one_recovery(tmp_path, marker, switch, references):
+    """Nodes 1 and 2 (3 nodes x 1 rank) are cut off at the same instant, as behind one failed switch: both fence
+    themselves, both are declared lost in one batch, one recovery generation replaces their ranks on two hot
+    spares; exit 0, the failure-free model, node 0's worker untouched. (Before, their last beats a fraction of
+    an interval apart made two losses a tick apart, each its own generation.)"""
+    n0, n1, n2 = switch.host("n0"), switch.host("n1"), switch.host("n2")
+    job = Job(switch, tmp_path, marker, n0, nnodes=3)
+    node0 = job.node(n0, 0, "--event-log", str(job.events))
+    cut = [job.node(n1, 1), job.node(n2, 2)]
+    spares = [job.node(switch.host(f"spare{k}"), k) for k in (3, 4)]
+    try:
+        wait_until(lambda: _step(job.events) >= 30 and sum(e["slot"] is None for e in job.events_of("node_joined"))
+                   == 2, timeout=240, what="training past step 30 with both hot spares joined")
+        survivor = _pids(_events(job.events), (0,))
+        switch.cut(n1, n2)
+        assert [p.wait(timeout=30) for p in cut] == [1, 1]
+        wait_until(lambda: job.events_of("recovery_end"), timeout=120, what="the recovery to end")
+        switch.heal(n1, n2)
+        assert [p.wait(timeout=300) for p in (node0, *spares)] == [0, 0, 0], job.log("n0.log")[-3000:]
+    finally:
+        stop_all(job.procs)
+    assert sorted(e["slot"] for e in job.events_of("node_lost")) == [1, 2]
+    starts = job.events_of("recovery_start")
+    assert [(e["generation"], e["nodes"]) for e in starts] == [(1, [1, 2])], starts
+    ended = job.events_of("recovery_end")
+    assert [(e["generation"], e["outcome"], e["failed_ranks"]) for e in ended] == [(1, "recovered", [1, 2])], ended
+    assert sorted(e["slot"] for e in job.events_of("node_takeover")) == [1, 2]
+    assert _pids(_events(job.events), (0,)) == survivor
     job.assert_exact(references)
