@@ -68,11 +68,14 @@ class ProcessFailure:
         who = f"rank {self.rank} (local_rank {self.local_rank})"
         if self.node is not None:
             who += f" on node slot {self.node} ({self.hostname})"
-        if self.exitcode < 0:
-            how = f"killed by {self.signal_name() or f'signal {-self.exitcode}'}"
+        if not self.pid:
+            # e.g. a replacement whose node was lost before it ran (multi-node: its Spawn went to a hot spare that
+            # had vanished): "killed by SIGKILL (pid 0)" would name a kill and a process that never were
+            line = f"{who} was given up before its process started"
+        elif self.exitcode < 0:
+            line = f"{who} killed by {self.signal_name() or f'signal {-self.exitcode}'} (pid {self.pid})"
         else:
-            how = f"exited with code {self.exitcode}"
-        line = f"{who} {how} (pid {self.pid})"
+            line = f"{who} exited with code {self.exitcode} (pid {self.pid})"
         return f"{line}: {self.cause}" if self.cause else line
 
 

@@ -343,21 +343,29 @@ class Job:
         return self._on_failures([(slot, failure)], now, detect=0.0)
 
     def on_node_lost(self, node: int, now: float, cause: str, detect: float = 0.0) -> list[Action]:
-        """Every process of node slot ``node`` is gone with its agent (multi-node): its spares leave quietly and
-        its ranks fail together, as one batch, so one generation repairs them all. Replacements are spawned on
-        that node slot, for whichever agent takes it over (the restarted node or a hot spare)."""
-        self.vacant_nodes.add(node)
+        """Every process of node slot ``node`` is gone with its agent (multi-node): see :meth:`on_nodes_lost`."""
+        return self.on_nodes_lost({node: (cause, detect)}, now)
+
+    def on_nodes_lost(self, lost: dict[int, tuple[str, float]], now: float) -> list[Action]:
+        """Every process of these node slots is gone with its agent (multi-node; ``lost``: slot -> (cause, seconds
+        since it went quiet)): their spares leave quietly and their ranks fail together, as one batch, so one
+        generation repairs them all (two nodes behind one failed switch cost one recovery, not two, the second
+        superseding the first). Replacements are spawned on each slot, for whichever agent takes it over (the
+        restarted node or a hot spare)."""
+        self.vacant_nodes.update(lost)
         actions: list[Action] = []
         failed: list[tuple[Slot, ProcessFailure]] = []
-        for slot in [s for s in self.slots.values() if s.node == node and s.alive]:
-            if slot.rank is None:
-                slot.state = WorkerState.EXITED
-                continue
-            if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
-                actions += self._set_state(slot, WorkerState.FAILED, now)
-                continue
-            failed.append((slot, self._failure(slot, now - detect, f"node slot {node} lost: {cause}")))
-        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+        ending = self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal
+        for node, (cause, detect) in sorted(lost.items()):
+            for slot in [s for s in self.slots.values() if s.node == node and s.alive]:
+                if slot.rank is None:
+                    slot.state = WorkerState.EXITED
+                    continue
+                if ending:
+                    actions += self._set_state(slot, WorkerState.FAILED, now)
+                    continue
+                failed.append((slot, self._failure(slot, now - detect, f"node slot {node} lost: {cause}")))
+        if ending:
             return actions + self._maybe_finish(now)
         if not failed:
             return actions
@@ -365,7 +373,7 @@ class Job:
             for slot, failure in failed:
                 actions += self._on_late_failure(slot, failure, now)
             return actions
-        return actions + self._on_failures(failed, now, detect=detect)
+        return actions + self._on_failures(failed, now, detect=max(detect for _, detect in lost.values()))
 
     def on_node_joined(self, node: int, now: float) -> list[Action]:
         """An agent holds node slot ``node`` again: it gets its share of warm spares."""

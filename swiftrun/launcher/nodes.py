@@ -56,9 +56,14 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str | 
 
 
 class NodeTable:
-    def __init__(self, nnodes: int, node_timeout: float) -> None:
+    def __init__(self, nnodes: int, node_timeout: float, settle: float = 0.0) -> None:
         self.nnodes = nnodes
         self.node_timeout = node_timeout
+        # nodes that went quiet together (cut off behind one switch, a rack's power) stop beating at the same
+        # instant, but their last beats differ by up to a heartbeat interval: a node past node_timeout waits up to
+        # ``settle`` for the others that went quiet with it, so that they are lost in one batch (one recovery).
+        # Declaring a loss later than node_timeout is always safe: the lease has expired all the longer.
+        self.settle = settle
         self.holder: dict[int, Node | None] = {k: None for k in range(nnodes)}
         self.incarnations: dict[int, int] = {k: -1 for k in range(nnodes)}
         self.by_identity: dict[bytes, Node] = {}
@@ -109,15 +114,26 @@ class NodeTable:
         return node
 
     def tick(self, now: float) -> list[Node]:
-        """Nodes silent for longer than ``node_timeout``: lost (their slots become vacant)."""
-        silent = [n for n in self.current() if now - n.last_seen > self.node_timeout]
+        """Nodes silent for longer than ``node_timeout``: lost (their slots become vacant), in one batch with any
+        node that went quiet with them (see ``settle``)."""
+        current = self.current()
+        silent = [n for n in current if now - n.last_seen > self.node_timeout]
+        quiet = [n for n in current if self.node_timeout - self.settle < now - n.last_seen <= self.node_timeout]
+        if not silent or quiet:
+            return []
         return [n for n in silent if self.lose(n.identity) is not None]
 
-    def take_over(self, slot: int, now: float) -> Node | None:
-        """Give vacant ``slot`` to a waiting hot-spare node (the longest waiting first), or None."""
+    def take_over(self, slot: int, now: float, fresh_within: float | None = None) -> Node | None:
+        """Give vacant ``slot`` to a waiting hot-spare node (the longest waiting first), or None.
+
+        ``fresh_within``: only to a spare heard from within that many seconds. One that went quiet is frozen,
+        dead or cut off (or soon fences itself: its lease is renewed only by the answers to its beats), and a
+        slot handed to it would wait for --node-timeout and cost a second recovery; a spare merely late is
+        handed the slot at its next beat instead."""
         if self.holder.get(slot) is not None:
             return None
-        spares = sorted((n for n in self.current() if n.state is NodeState.SPARE), key=lambda n: n.joined_at)
+        spares = sorted((n for n in self.current() if n.state is NodeState.SPARE
+                         and (fresh_within is None or now - n.last_seen <= fresh_within)), key=lambda n: n.joined_at)
         if not spares:
             return None
         spare = spares[0]
@@ -145,7 +161,10 @@ class NodeTable:
         current = self.current()
         if not current:
             return now + self.node_timeout
-        return min(n.last_seen for n in current) + self.node_timeout
+        deadlines = sorted(n.last_seen + self.node_timeout for n in current)
+        if deadlines[0] < now:  # a loss held back by tick: due when the next node's silence is
+            return next((d for d in deadlines if d >= now), deadlines[0])
+        return deadlines[0]
 
     # ------------------------------------------------------------------ helpers
 

@@ -4,6 +4,7 @@ worker runs): the standalone coordinator's own behaviour, over real sockets on 1
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import socket
 import threading
@@ -18,14 +19,16 @@ from swiftrun.launcher import _check_free, wait_reachable, wire
 from swiftrun.launcher.coordinator import Coordinator, fingerprint
 from swiftrun.launcher.actions import Finish, Spawn
 from swiftrun.launcher.wire import NodeKind, ReportKind
+from swiftrun.protocol import EventKind
 from tests.integration.multinode_support import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _config(port: int) -> LaunchConfig:
+def _config(port: int, nnodes: int = 2) -> LaunchConfig:
     return LaunchConfig(
-        entrypoint=Entrypoint(EntrypointKind.SCRIPT, "train.py", ("--lr", "1")), nproc_per_node=1, nnodes=(2, 2),
+        entrypoint=Entrypoint(EntrypointKind.SCRIPT, "train.py", ("--lr", "1")), nproc_per_node=1,
+        nnodes=(nnodes, nnodes),
         master_addr="127.0.0.1", master_port=port, rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_id="j1", external_coordinator=True, spares=0,
         timeouts=Timeouts(heartbeat_interval=0.1, node_lease=1.0, node_timeout=2.0, shutdown_timeout=1.0,
@@ -63,10 +66,12 @@ class FakeAgent:
         return self.recv(NodeKind.ACCEPT)
 
 
-@pytest.fixture(params=[1])
+@pytest.fixture
 def served(tmp_path, request):
+    """A standalone coordinator in a thread; ``request.param`` (indirect): ``nnodes`` or ``(nnodes, nproc)``."""
     port = free_port_pair()
-    config = dataclasses.replace(_config(port), nproc_per_node=request.param)
+    nnodes, nproc = (lambda p: p if isinstance(p, tuple) else (p, 1))(getattr(request, "param", 2))
+    config = dataclasses.replace(_config(port, nnodes), nproc_per_node=nproc)
     coordinator = Coordinator(config, tmp_path / "events.jsonl", registers=None, standalone=True)
     sig_r, sig_w = socket.socketpair()
     result: list[int] = []
@@ -101,6 +106,78 @@ def test_every_node_lost_ends_the_job_and_the_coordinator_after_join_timeout(ser
     assert not thread.is_alive() and result == [1]
     err = capfd.readouterr().err
     assert "node slot(s) 1 stayed vacant for more than 4s" in err, err
+
+
+def test_a_quiet_hot_spare_gets_a_lost_slot_only_at_its_next_beat(served):
+    """A hot spare silent for a few beats (cut off, frozen: it is about to fence itself) is not handed the slot of
+    a node lost meanwhile; the slot goes to it when it beats again: it then receives its LEASE, and only after it
+    the TAKE (had the slot been handed out at the loss, the TAKE would come first)."""
+    config, port, ctx, thread, result, sig_w = served
+    agents = [FakeAgent(ctx, port, k) for k in (0, 1, 2)]
+    for agent in agents:
+        agent.join(config)
+    for agent in agents[:2]:
+        spawn = agent.actions()[0]
+        agent.send(NodeKind.REPORT, {"what": ReportKind.SPAWNED.value, "slot_id": spawn.slot_id, "data": {"pid": 9}})
+    quiet_from = time.monotonic()
+    while time.monotonic() - quiet_from < 5 * config.timeouts.heartbeat_interval:  # the spare misses 5 beats
+        agents[0].send(NodeKind.BEAT, {"seen": {}, "status": {}, "stopped": []})
+        agents[0].recv(NodeKind.LEASE)
+    agents[1].sock.close(linger=0)  # node 1 lost, loudly
+    agents[0].recv(NodeKind.DO)  # its survivor is told (ABORT): the loss was handled
+    assert not agents[2].sock.poll(0), "a quiet spare was handed the slot"
+    agents[2].send(NodeKind.BEAT, {"seen": {}, "status": {}, "stopped": []})
+    kind, _ = wire.decode(agents[2].sock.recv_multipart())
+    assert kind is NodeKind.LEASE
+    assert agents[2].recv(NodeKind.TAKE)["slot"] == 1
+    sig_w.send(bytes([signal.SIGTERM]))
+    for agent in agents:
+        agent.sock.close(linger=0)
+    thread.join(15)
+
+
+@pytest.mark.parametrize("served", [3], indirect=True)
+def test_nodes_cut_off_together_are_lost_in_one_recovery(served, tmp_path):
+    """Nodes 1 and 2 fall silent at the same instant (one switch), their last BEATs 50 ms apart: both are lost in
+    one batch, one recovery generation (before, node 2's loss came a tick later: a second generation)."""
+    config, port, ctx, thread, result, sig_w = served
+    agents = [FakeAgent(ctx, port, k) for k in range(3)]
+    for agent in agents:
+        agent.join(config)
+    for agent in agents:  # each node's worker starts and registers swiftrun.Run: the job is running
+        sid = agent.actions()[0].slot_id
+        agent.send(NodeKind.REPORT, {"what": ReportKind.SPAWNED.value, "slot_id": sid, "data": {"pid": 9}})
+        agent.send(NodeKind.REPORT, {"what": ReportKind.HELLO.value, "slot_id": sid, "data": {"gen": 0}})
+        agent.send(NodeKind.REPORT, {"what": ReportKind.EVENT.value, "slot_id": sid,
+                                     "data": {"gen": 0, "event": EventKind.REGISTERED.value, "data": {}}})
+    beat = {"seen": {}, "status": {}, "stopped": []}
+    agents[1].send(NodeKind.BEAT, beat)
+    agents[1].recv(NodeKind.LEASE)
+    quiet_from = time.monotonic()
+    while time.monotonic() - quiet_from < 0.05:
+        agents[0].send(NodeKind.BEAT, beat)
+        agents[0].recv(NodeKind.LEASE)
+    agents[2].send(NodeKind.BEAT, beat)
+    agents[2].recv(NodeKind.LEASE)
+    log = tmp_path / "events.jsonl"
+
+    def lost() -> list[dict]:
+        return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "node_lost"]
+
+    deadline = time.monotonic() + 10
+    while len(lost()) < 2 and time.monotonic() < deadline:  # node 0 beats on
+        agents[0].send(NodeKind.BEAT, beat)
+        agents[0].sock.poll(int(config.timeouts.heartbeat_interval * 1000))
+        while agents[0].sock.poll(0):
+            agents[0].sock.recv_multipart()
+    assert [e["slot"] for e in lost()] == [1, 2]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    (start,) = [e for e in events if e["event"] == "recovery_start"]
+    assert start["nodes"] == [1, 2] and start["failed_ranks"] == [1, 2], start
+    sig_w.send(bytes([signal.SIGTERM]))
+    for agent in agents:
+        agent.sock.close(linger=0)
+    thread.join(15)
 
 
 def test_a_signal_before_the_job_starts_ends_it_with_128_plus_the_signal(served):
@@ -145,8 +222,8 @@ def test_wait_reachable_and_check_free():
     assert time.monotonic() - t0 < 3
 
 
-@pytest.mark.parametrize("served", [3], indirect=True)
-def test_what_one_turn_decides_for_a_node_reaches_it_as_one_message(served):
+@pytest.mark.parametrize("served", [(2, 3)], indirect=True)
+def test_what_one_decision_sends_a_node_reaches_it_as_one_message(served):
     """Fan-out per node: the three Spawns of a node's ranks (as later the ABORTs of a failure) travel in one DO,
     in slot order, not one message per rank."""
     config, port, ctx, thread, result, sig_w = served

@@ -51,6 +51,10 @@ def test_describe() -> None:
     assert failure(2, -9, 0, pid=1234).describe() == "rank 2 (local_rank 2) killed by SIGKILL (pid 1234)"
     assert failure(2, 3, 0, pid=1234).describe() == "rank 2 (local_rank 2) exited with code 3 (pid 1234)"
     assert failure(5, -200, 0, local_rank=1, pid=7).describe() == "rank 5 (local_rank 1) killed by signal 200 (pid 7)"
+    never = ProcessFailure(rank=3, local_rank=1, pid=0, exitcode=-9, timestamp=0.0, monotonic=0.0, node=1,
+                           hostname="h1", cause="node slot 1 lost: silent for more than 4s")
+    assert never.describe() == ("rank 3 (local_rank 1) on node slot 1 (h1) was given up before its process started: "
+                                "node slot 1 lost: silent for more than 4s")
     hung = failure(1, -9, 0, pid=9, cause="no heartbeat for 30.0s (hang)")
     assert hung.describe() == "rank 1 (local_rank 1) killed by SIGKILL (pid 9): no heartbeat for 30.0s (hang)"
 

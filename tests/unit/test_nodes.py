@@ -75,6 +75,57 @@ def test_a_hot_spare_waits_and_takes_over_a_vacant_slot():
     assert t.full()
 
 
+def test_nodes_that_went_quiet_together_are_lost_in_one_batch():
+    t = NodeTable(3, node_timeout=10.0, settle=0.4)
+    for k, ident in enumerate((b"a", b"b", b"c")):
+        t.join(ident, k, FP, 0.0)
+    t.seen(b"a", 9.9)  # a keeps beating
+    t.seen(b"b", 0.0)
+    t.seen(b"c", 0.15)  # b and c were cut off together, their last beats 0.15 s apart
+    assert t.tick(10.05) == [] and t.next_deadline(10.05) == 10.15  # b is due, c about to be: wait for c
+    assert [n.identity for n in t.tick(10.2)] == [b"b", b"c"] and t.vacant() == [1, 2]
+    # alone, a silent node is lost at its timeout; one that merely beats late does not hold it back past settle
+    t2 = NodeTable(2, node_timeout=10.0, settle=0.4)
+    t2.join(b"a", 0, FP, 0.0)
+    t2.join(b"b", 1, FP, 0.0)
+    t2.seen(b"a", 9.9)
+    assert [n.identity for n in t2.tick(10.05)] == [b"b"]
+    t3 = NodeTable(2, node_timeout=10.0, settle=0.4)
+    t3.join(b"a", 0, FP, 0.0)
+    t3.join(b"b", 1, FP, 0.0)
+    t3.seen(b"a", 0.1)
+    assert t3.tick(10.05) == []
+    t3.seen(b"a", 10.3)  # a beat after all
+    assert [n.identity for n in t3.tick(10.31)] == [b"b"]
+
+
+def test_two_nodes_lost_together_cost_one_generation():
+    sim = Sim(1, registers=True, nnodes=(3, 3), master_port=5, spares=0)
+    sim.boot(sim.start())
+    for rank in range(3):
+        sim.event(sim.slot(rank), EventKind.REGISTERED)
+    actions = sim._take(sim.job.on_nodes_lost({1: ("silent for more than 4s", 4.0), 2: ("silent for more than 4s",
+                                                                                        4.1)}, sim.now))
+    assert sim.job.generation == 1 and sim.job.state is JobState.RECOVERING
+    (start,) = [a.fields for a in actions if isinstance(a, Record) and a.event is EventName.RECOVERY_START]
+    assert start["nodes"] == [1, 2] and start["failed_ranks"] == [1, 2], start
+    assert sorted(s.rank for s in of(actions, Spawn) if s.rank is not None) == [1, 2]
+    assert {a.slot_id for a in sends(actions, CommandKind.ABORT)} == {sim.slot(0)}
+
+
+def test_a_slot_goes_to_the_longest_waiting_spare_heard_from_lately():
+    t = table(1)
+    t.join(b"a", 0, FP, 0.0)
+    t.join(b"s1", 1, FP, 1.0)  # the longest waiting, but quiet since
+    t.join(b"s2", 2, FP, 2.0)
+    t.seen(b"s2", 9.5)
+    t.lose(b"a")
+    assert t.take_over(0, 10.0, fresh_within=0.3) is None  # nobody beat within 0.3 s
+    t.seen(b"s2", 10.1)
+    taken = t.take_over(0, 10.2, fresh_within=0.3)
+    assert taken is not None and taken.identity == b"s2" and taken.slot == 0
+
+
 def test_nobody_joins_a_finished_job():
     t = table()
     t.join(b"a", 0, FP, 0.0)
