@@ -181,7 +181,7 @@ def test_a_partitioned_node_fences_itself_and_its_slot_is_taken_over(tmp_path, m
 @pytest.mark.timeout(300)
 @pytest.mark.extended
 def test_a_short_partition_is_ridden_out(tmp_path, marker, switch, references):
-    """Node 1 cut off for 1 s, well under its 3 s lease: training stalls (its all-reduces wait on the cut link),
+    """Node 1 cut off for 1.5 s, under its 3 s lease: training stalls (its all-reduces wait on the cut link),
     then TCP retransmits what was in flight and the job goes on as if nothing happened: no node lost, no
     recovery, no process replaced, exit 0, the failure-free model."""
     n0, n1 = switch.host("n0"), switch.host("n1")
@@ -191,11 +191,15 @@ def test_a_short_partition_is_ridden_out(tmp_path, marker, switch, references):
         wait_until(lambda: _step(job.events) >= 30, timeout=240, what="training past step 30")
         pids = _pids(_events(job.events), tuple(range(WORLD)))
         switch.cut(n1)
+        # the partition itself (how long the link stays down, not a wait for anything): 1.5 s. The event log's
+        # progress lags the steps by up to ~0.5 s (statuses ride on heartbeats, progress is sampled), so the
+        # stall is read between 0.7 s and 1.5 s into the cut
+        time.sleep(0.7)
         before = _step(job.events)
-        time.sleep(1.0)  # the partition itself: how long the link stays down, not a wait for anything
+        time.sleep(0.8)
         stalled = _step(job.events)
         switch.heal(n1)
-        assert stalled - before <= 3, "training went on while node 1 was cut off: was it?"
+        assert stalled - before <= 1, "training went on while node 1 was cut off: was it?"
         assert [p.wait(timeout=200) for p in nodes] == [0, 0], job.log("n0.log")[-3000:]
     finally:
         stop_all(job.procs)
