@@ -20,6 +20,7 @@ from swiftrun.launcher.coordinator import Coordinator, fingerprint
 from swiftrun.launcher.actions import Finish, Spawn
 from swiftrun.launcher.wire import NodeKind, ReportKind
 from swiftrun.protocol import EventKind
+from tests.helpers import wait_until
 from tests.integration.multinode_support import free_port_pair
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,8 +172,13 @@ def test_nodes_cut_off_together_are_lost_in_one_recovery(served, tmp_path):
         while agents[0].sock.poll(0):
             agents[0].sock.recv_multipart()
     assert [e["slot"] for e in lost()] == [1, 2]
-    events = [json.loads(line) for line in log.read_text().splitlines()]
-    (start,) = [e for e in events if e["event"] == "recovery_start"]
+
+    def starts() -> list[dict]:
+        return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "recovery_start"]
+
+    # the Job's records are written after node_lost (and after the ABORTs went out)
+    wait_until(lambda: bool(starts()), timeout=10, what="the recovery_start record")
+    (start,) = starts()
     assert start["nodes"] == [1, 2] and start["failed_ranks"] == [1, 2], start
     sig_w.send(bytes([signal.SIGTERM]))
     for agent in agents:
