@@ -18,9 +18,8 @@ rounds, one thread:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 import train_pp  # noqa: E402  (imports torch.distributed.pipelining, hence numpy.random, as a real stage does)
 
 from swiftrun.runtime import state as st  # noqa: E402
@@ -37,18 +37,7 @@ from swiftrun.runtime.pp_ckpt import FlatSnapshots  # noqa: E402
 from swiftrun.runtime.pp_log import LogStore  # noqa: E402
 from swiftrun.runtime.registry import Registry  # noqa: E402
 from swiftrun.runtime.txn import Transaction, rng_state  # noqa: E402
-
-
-def per_call_us(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
-    """Mean time of one call, the best of ``rounds`` rounds (the least disturbed by other processes)."""
-    fn()  # first-call allocations are not per-step costs
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - started) / calls)
-    return best * 1e6
+from bench_txn_overhead import per_call_us  # noqa: E402  (best of N rounds of mean per-call time)
 
 
 def main() -> None:
@@ -95,13 +84,14 @@ def main() -> None:
             undo.capture(opt, True)
 
     snapshots = FlatSnapshots()
+    timed = functools.partial(per_call_us, rounds=7)  # 7 rounds: parts of tens of microseconds are noisier
     results = {
-        "stage compute (4 micro-batches, Adam)": per_call_us(train_step, 50),
-        "Transaction.begin (two slots)": per_call_us(lambda: txn.begin(next(steps)), args.calls),
-        "  of which rng_state()": per_call_us(rng_state, args.calls),
-        "undo.capture (gradient copies)": per_call_us(capture, args.calls),
-        "Pipeline._record, one 8 x H send": per_call_us(record, args.calls),
-        "stage checkpoint snapshot": per_call_us(lambda: snapshots.take(
+        "stage compute (4 micro-batches, Adam)": timed(train_step, 50),
+        "Transaction.begin (two slots)": timed(lambda: txn.begin(next(steps)), args.calls),
+        "  of which rng_state()": timed(rng_state, args.calls),
+        "undo.capture (gradient copies)": timed(capture, args.calls),
+        "Pipeline._record, one 8 x H send": timed(record, args.calls),
+        "stage checkpoint snapshot": timed(lambda: snapshots.take(
             {"step": 1, "tree": st.state_tree(reg), "rng": rng_state(), "layouts": None}), 50),
     }
     print(f"train_pp middle stage, hidden {args.hidden}, Adam, {sum(p.numel() for p in model.parameters())} "
