@@ -31,13 +31,6 @@ class BroadcastBuffers:
     With ``broadcast_buffers=False`` each rank keeps its own buffers: a replacement can only receive another
     rank's (said at registration), and verification does not compare them."""
 
-    @staticmethod
-    def present(reg: Any) -> bool:
-        """Whether a registered DDP module broadcasts buffers (it has some, and ``broadcast_buffers``)."""
-        wrappers = {id(plain(d)): d for d in reg.ddps}
-        return any(wrappers[id(m)].broadcast_buffers and any(True for _ in m.buffers())
-                   for m in reg.models if id(m) in wrappers)
-
     def __init__(self, rec: Recovery) -> None:
         self.rec = rec
         reg = rec.reg

@@ -69,8 +69,8 @@ class Recovery:
         # the next forward's broadcast takes its buffers for the next step with it, and only undoing the completed
         # step (whose start buffers every survivor copied) stays exact (consensus.buffers_held). The cost: the
         # last step's gradients copied once per step.
-        self.keep_last_update = (self.mode == "undo" or self.pipeline is not None
-                                 or BroadcastBuffers.present(self.reg))
+        self.buffers = BroadcastBuffers(self)
+        self.keep_last_update = self.mode == "undo" or self.pipeline is not None or bool(self.buffers.indices)
         # undo mode may undo a completed step, whose start is one snapshot older than the current step's
         self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
         init = rt.init_kwargs or {}
@@ -103,7 +103,6 @@ class Recovery:
         self._records: dict[int, dict[int, undo.StepRecord | PreStepCopy]] = {}
         self.exact_undo = rt.wenv.exact_undo
         self._copies: dict[int, PreStepCopy] = {}  # optimizer index -> its pre-step copy (one slot, reused)
-        self.buffers = BroadcastBuffers(self)
         # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
         self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.rebuilds(d) else None for d in self.reg.ddps]
         # DDP index -> the step at whose start it is rebound again with its predicted layout (a static graph
