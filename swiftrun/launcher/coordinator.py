@@ -487,8 +487,9 @@ class Coordinator:
         self._outbox.setdefault(identity, []).append(wire.action_body(action))
 
     def _flush_actions(self) -> None:
-        """One DO per agent for everything decided this turn: a failure's ABORTs to a node's ranks travel in one
-        message (at 1,000 ranks, 125 messages for 8 ranks per node rather than 1,000)."""
+        """One DO per agent for everything decided since the last flush (a decision, or what the loop's turn
+        queued): a failure's ABORTs to a node's ranks travel in one message (at 1,000 ranks, 125 messages for 8
+        ranks per node rather than 1,000)."""
         outbox, self._outbox = self._outbox, {}
         for identity, actions in outbox.items():
             self._send(identity, NodeKind.DO, wire.do_body(actions))
