@@ -506,9 +506,7 @@ class Agent:
         """A zygote that was killed or stopped from outside (not one whose warm-up failed: that would fail again)
         is started anew, a few times, so that later spares and replacements come warm again; until it is warm
         they start cold."""
-        failure = self.zygote.failure or ""
-        if failure.startswith("its warm-up failed") or self._zygote_restarts >= ZYGOTE_RESTARTS or \
-                self.exit_code is not None:
+        if self.zygote.warm_up_failed or self._zygote_restarts >= ZYGOTE_RESTARTS or self.exit_code is not None:
             return
         self._zygote_restarts += 1
         self.zygote = ZygoteClient()

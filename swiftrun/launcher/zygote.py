@@ -66,6 +66,7 @@ class ZygoteClient:
         self.sock: socket.socket | None = None
         self.pending: dict[int, float] = {}  # slot -> when its FORK was sent
         self.failure: str | None = None
+        self.warm_up_failed = False  # the zygote itself said its warm-up failed (a new one would fail the same way)
         self.started_at = 0.0
         self.forks = 0
 
@@ -159,6 +160,7 @@ class ZygoteClient:
                 self.pending.pop(body["slot"], None)
                 out.append(ZygoteEvent(kind, slot=body["slot"], reason=str(body["reason"])))
             elif kind is ZygoteKind.WARM_FAILED:
+                self.warm_up_failed = True
                 out.append(ZygoteEvent(kind, reason=f"its warm-up failed: {body.get('reason')}"))
         return out
 

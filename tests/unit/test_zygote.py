@@ -91,6 +91,22 @@ def test_a_failed_zygote_hands_back_what_it_did_not_fork():
     assert client.fork(5, ["script", "x.py"], {}, 1, 2) is False  # workers start cold from now on
 
 
+def test_a_zygote_that_says_its_warm_up_failed_is_marked_so_and_one_that_vanished_is_not():
+    """The agent starts a new zygote after one died, never after one whose warm-up failed (it would again)."""
+    for says_failed in (True, False):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        client = ZygoteClient()
+        client.sock, client.state = ours, ZygoteState.WARMING
+        if says_failed:
+            wire.send(theirs, ZygoteKind.WARM_FAILED, reason="import failed")
+        theirs.close()
+        events = client.read()
+        assert [e.kind for e in events][-1] is ZygoteKind.WARM_FAILED
+        assert client.warm_up_failed is says_failed, events
+        client.close()
+
+
 def test_thread_count_sees_native_threads():
     assert thread_count() >= 1
 
