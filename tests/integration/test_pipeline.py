@@ -33,10 +33,12 @@ def records(save: Path) -> list[dict]:
     return [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines() if line.strip()]
 
 
-def survivor_pids(save: Path, lost: int) -> dict[int, set[int]]:
+def survivor_pids(save: Path, lost: int | tuple[int, ...]) -> dict[int, set[int]]:
+    """The pids each rank not in ``lost`` ran with (one per rank when the survivors kept their processes)."""
+    lost = lost if isinstance(lost, tuple) else (lost,)
     pids: dict[int, set[int]] = {}
     for r in records(save):
-        if r["event"] == "worker_state" and r.get("rank") not in (None, lost) and r.get("pid"):
+        if r["event"] == "worker_state" and r.get("rank") not in (None, *lost) and r.get("pid"):
             pids.setdefault(r["rank"], set()).add(r["pid"])
     return pids
 
@@ -230,10 +232,7 @@ def test_every_replica_of_a_stage_lost_together_replays_in_lockstep(tmp_path, re
     assert ended[-1]["outcome"] == "recovered" and ended[-1]["mode"] == "replay", ended
     replays = [r for r in records(tmp_path) if r["event"] == "replay"]
     assert sorted(r["rank"] for r in replays) == list(lost) and all(r["ranks"] == list(lost) for r in replays), replays
-    survivors: dict[int, set[int]] = {}
-    for r in records(tmp_path):
-        if r["event"] == "worker_state" and r.get("rank") not in (None, *lost) and r.get("pid"):
-            survivors.setdefault(r["rank"], set()).add(r["pid"])
+    survivors = survivor_pids(tmp_path, lost)
     assert sorted(survivors) == [1 - stage, 3 - stage] and all(len(p) == 1 for p in survivors.values()), survivors
     assert_same(tmp_path, ref)
 
@@ -346,10 +345,7 @@ def test_hand_written_p2p_pipeline_with_replicas(tmp_path, tmp_path_factory, mar
     ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
     assert ended and all(r["outcome"] == "recovered" for r in ended), ended
     assert ended[-1]["mode"] == ("replica" if len(lost) == 1 else "replay"), ended
-    survivors: dict[int, set[int]] = {}
-    for r in records(tmp_path):
-        if r["event"] == "worker_state" and r.get("rank") not in (None, *lost) and r.get("pid"):
-            survivors.setdefault(r["rank"], set()).add(r["pid"])
+    survivors = survivor_pids(tmp_path, lost)
     assert len(survivors) == WORLD - len(lost) and all(len(p) == 1 for p in survivors.values()), survivors
     assert_same(tmp_path, reference)
     rank0, rank2 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["model"] for r in (0, 2))
