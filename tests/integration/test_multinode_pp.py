@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import EXAMPLES, run, swiftrun_cmd, wait_until
 from tests.integration.multinode_support import free_port_pair, node_cmd, start_node, stop_all
-from tests.integration.recovery_support import max_rel_diff
+from tests.integration.recovery_support import flat_state, max_rel_diff
 from tests.integration.test_multinode import _events, _step
 
 TRAIN_PP = str(EXAMPLES / "train_pp.py")
@@ -25,11 +25,7 @@ ARGS = ("--steps", "80", "--schedule", "1f1b", "--optimizer", "adamw", "--dropou
 
 
 def _flat(path) -> dict[str, torch.Tensor]:
-    saved = torch.load(path, weights_only=True)
-    flat = {f"model.{k}": v for k, v in saved["model"].items()}
-    for index, entries in saved["optimizer"]["state"].items():
-        flat.update({f"opt.{index}.{name}": v for name, v in entries.items() if isinstance(v, torch.Tensor)})
-    return flat
+    return flat_state(torch.load(path, weights_only=True))
 
 
 @pytest.mark.integration
