@@ -268,3 +268,55 @@ def test_three_replicas_of_a_stage_replay_with_the_bucket_layout_of_their_checkp
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert replays and all(r["ranks"] == [0, 2, 4] for r in replays), replays
     assert_equal_nested(load(reference), load(save), "rank files")
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pids(records: list[dict], ranks: tuple[int, ...]) -> dict[int, set[int]]:
+    pids: dict[int, set[int]] = {}
+    for r in records:
+        if r["event"] == "worker_state" and r.get("rank") in ranks and r.get("pid"):
+            pids.setdefault(r["rank"], set()).add(r["pid"])
+    return pids
+
+
+INTERLEAVED4 = ("--schedule", "interleaved", "--layers", "8")  # 8 virtual stages: one block each
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("budget,killed,groups,replaying", [
+    # 16-wide activations, 4 micro-batches: 2 KiB per virtual boundary and step both ways; ranks 0-1, 1-2, 2-3
+    # carry two boundaries each, the wrap (stage 3 -> 4) one. 14 KiB over 2 steps logs 1-2 and the wrap: groups
+    # [0,1] [2,3] (12 KiB); [1,2] [3,0] would cost 16 KiB.
+    pytest.param("14KiB", 1, [[0, 1], [2, 3]], (0, 1), id="groups-of-two"),
+    pytest.param("0", 2, [[0, 1, 2, 3]], (0, 1, 2, 3), id="budget-0", marks=pytest.mark.extended),
+])
+def test_selective_logging_of_an_interleaved_pipeline_replays_the_killed_ranks_group(
+        pp_runs, tmp_path, marker, budget, killed, groups, replaying):
+    """Interleaved 1F1B on 4 ranks (8 virtual stages) under --log-budget: the plan groups pipeline positions (a
+    rank's virtual stages fail together), logging only the virtual boundaries between groups. A SIGKILLed rank's
+    whole group replays from its checkpoints (the survivor in it rolls back to its own copy; inside the group the
+    traffic runs live, from outside it is served from the logs); the other ranks keep their processes. The model
+    ends bitwise the single process's (which interleaved torchrun matches bitwise, test above)."""
+    single = pp_runs("single", "--layers", "8")
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                        "--log-budget", budget, "--fault", f"{killed}:5:backward:sigkill", str(TRAIN_PP),
+                        *COMMON, *INTERLEAVED4, "--ckpt-every", "2", "--save-dir", str(save)), marker)
+    records = _events(events)
+    (plan,) = [r for r in records if r["event"] == "log_plan"]
+    assert plan["groups"] == groups, plan
+    assert plan["virtual_stages"] == 8 and plan["peak_log_bytes"] <= (14 * 1024 if budget == "14KiB" else 0), plan
+    if budget == "14KiB":
+        assert plan["logged"] == [1, 3, 5] and plan["edges"] == [1, 3], plan  # 1->2, 3->4 (the wrap), 5->6
+    assert f"groups {' '.join('[' + ','.join(map(str, g)) + ']' for g in groups)} of ranks (interleaved: 8 stages " \
+           "on 4)" in plan["message"], plan
+    replays = {tuple(r["ranks"]) for r in records if r["event"] == "replay"}
+    assert replays == {replaying}, replays
+    assert [r["rank"] for r in records if r["event"] == "worker_failed"] == [killed]
+    others = tuple(r for r in range(4) if r != killed)
+    assert all(len(p) == 1 for p in _pids(records, others).values()), _pids(records, others)
+    reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
+    assert_equal_nested(merged_model(save), reference, "model")
