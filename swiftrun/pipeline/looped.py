@@ -58,7 +58,8 @@ def position_input(
         edge = edge_of(a, b, positions)
         if edge is None:
             raise PlanError(f"virtual stages {s} and {s + 1} run on positions {a} and {b}, which are not neighbours "
-                            "in the pipeline: only looped placements (rank r runs stages r, r+P, ...) are planned")
+                            "in the pipeline: groups of consecutive ranks cannot describe this placement (looped "
+                            "placements, rank r running stages r, r+P, ..., are planned)")
         edges[edge] += int(boundary_bytes.get(s, 0))
         wraps |= edge == positions - 1
     sizes = edges[: positions - 1]
