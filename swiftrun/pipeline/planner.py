@@ -72,6 +72,18 @@ Complexity: ``O(S^2 * F log(S F))`` time for a frontier of ``F`` points; ``F <= 
 the same bytes (the usual transformer pipeline), and at most the number of distinct byte totals within the budget
 in general. Swift's own greedy (merge the boundary with the least added time per byte saved) is a knapsack-style
 heuristic and can miss the optimum; the tests show instances where it does.
+
+Rings
+=====
+
+An interleaved (looped) schedule runs virtual stages ``r, r+P, ...`` on rank ``r``; its ranks fail whole, so the
+planner's "stages" are then the ``P`` ranks, and they form a ring: boundary ``P-1`` (the *wrap*,
+``PlanInput.wrap_bytes``) joins the last rank back to the first (swiftrun/pipeline/looped.py builds such inputs).
+Groups are arcs of the ring and may wrap around (``(3, 0)``). A plan logs no boundary or at least two (one cut
+leaves the ring connected). Every plan that logs boundary ``r`` is a plan of the chain obtained by opening the ring
+at ``r``, with ``r``'s bytes added, so the best of the ``S`` chain searches (one per opening edge) and the no-cut
+plan is exact (``_ring_plans``). Rotations sum group costs in different orders, so ring plans are evaluated with
+an exactly rounded sum; ties may differ in the last bit.
 """
 
 from __future__ import annotations
