@@ -108,7 +108,9 @@ def decide(pp: Pipeline, step: int) -> None:
                              "expected_recovery_s": plan.expected_recovery_seconds,
                              "worst_recovery_s": plan.worst_recovery_seconds,
                              "compute_s": [s.compute_seconds for s in plan_in.stages],
-                             "boundary_bytes": list(plan_in.edge_bytes), "ckpt_every": pp.every})
+                             # as swiftrun plan's profile takes them (--boundary-bytes, --wrap-bytes)
+                             "boundary_bytes": list(plan_in.boundary_bytes), "wrap_bytes": plan_in.wrap_bytes,
+                             "ckpt_every": pp.every})
 
 
 def _report(pp: Pipeline, step: int, text: str, data: dict | None) -> None:
