@@ -387,8 +387,11 @@ class _Frontier:
     prev_index: np.ndarray  # int64: the point of frontier[prev_start] it extends
 
 
-def _search(costs: _Costs, budget: int) -> list[_Frontier]:
-    """Frontiers of every prefix ``0..j-1`` (index ``j``), keeping only points within ``budget``."""
+def _search(costs: _Costs, budget: int, last_start_max: int | None = None) -> list[_Frontier]:
+    """Frontiers of every prefix ``0..j-1`` (index ``j``), keeping only points within ``budget``.
+
+    ``last_start_max``: only plans whose last group starts at or before this stage (a ring opened at its smallest
+    cut, ``_ring_plans``); the prefixes past it are then never extended and are left empty."""
     n = costs.input.num_stages
     empty = np.zeros(0, dtype=np.int64)
     frontiers = [
@@ -400,9 +403,13 @@ def _search(costs: _Costs, budget: int) -> list[_Frontier]:
             prev_index=np.full(1, -1, dtype=np.int64),
         )
     ]
+    limit = n - 1 if last_start_max is None else last_start_max
     for end in range(1, n + 1):  # the last group is stages start..end-1
         peaks, expecteds, worsts, starts, indices = [], [], [], [], []
-        for start in range(end):
+        if limit < end < n:
+            frontiers.append(_Frontier(empty, np.zeros(0), np.zeros(0), empty, empty))
+            continue
+        for start in range(min(end, limit + 1)):
             base = frontiers[start]
             if base.peak.size == 0:
                 continue
@@ -511,11 +518,12 @@ def _ring_plans(costs: _Costs, budget: int) -> list[LoggingPlan]:
     """Candidate plans of a ring within ``budget``, among them an optimal one for every budget up to ``budget``.
 
     A plan of a ring logs no boundary (one group) or at least two (a single cut leaves the ring connected: it
-    would pay for a log and still replay everything). Every plan with a cut at boundary ``r`` is a plan of the
-    *chain* obtained by opening the ring at ``r``, stages ``r+1, ..., S-1, 0, ..., r``, plus ``r``'s bytes; that
-    chain's exact search (its frontier within ``budget - bytes of r``) therefore holds, for each budget, a plan
-    at least as good as any ring plan cutting ``r``. Over all ``r`` plus the no-cut plan this covers every ring
-    plan: the best candidate is optimal. ``S`` chain searches: ``O(S^3 F log(S F))``.
+    would pay for a log and still replay everything). Every plan whose smallest cut is boundary ``r`` is a plan of
+    the *chain* obtained by opening the ring at ``r``, stages ``r+1, ..., S-1, 0, ..., r``, plus ``r``'s bytes,
+    whose last group holds stages ``0..r`` whole (boundaries ``0..r-1`` are not cut); that chain's exact search
+    restricted so (its frontier within ``budget - bytes of r``) holds, for each budget, a plan at least as good as
+    any ring plan whose smallest cut is ``r``. Over all ``r`` plus the no-cut plan this covers every ring plan once:
+    the best candidate is optimal. ``S`` chain searches of ``S - r`` free stages: ``O(S^3 F log(S F) / 6)``.
     """
     plan_input = costs.input
     n = plan_input.num_stages
@@ -535,7 +543,7 @@ def _ring_plans(costs: _Costs, budget: int) -> list[LoggingPlan]:
             replay_speedup=plan_input.replay_speedup,
             micro_batches=plan_input.micro_batches,
         )  # fmt: skip
-        frontiers = _search(_Costs(chain), left)
+        frontiers = _search(_Costs(chain), left, last_start_max=n - 1 - cut)  # stages 0..cut stay together
         for point in range(frontiers[-1].peak.size):
             cuts = tuple(sorted({cut, *(order[b] for b in _logged_of(frontiers, point))}))
             if len(cuts) >= 2 and cuts not in found:
