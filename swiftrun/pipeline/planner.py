@@ -80,9 +80,9 @@ An interleaved (looped) schedule runs virtual stages ``r, r+P, ...`` on rank ``r
 planner's "stages" are then the ``P`` ranks, and they form a ring: boundary ``P-1`` (the *wrap*,
 ``PlanInput.wrap_bytes``) joins the last rank back to the first (swiftrun/pipeline/looped.py builds such inputs).
 Groups are arcs of the ring and may wrap around (``(3, 0)``). A plan logs no boundary or at least two (one cut
-leaves the ring connected). Every plan that logs boundary ``r`` is a plan of the chain obtained by opening the ring
-at ``r``, with ``r``'s bytes added, so the best of the ``S`` chain searches (one per opening edge) and the no-cut
-plan is exact (``_ring_plans``). Rotations sum group costs in different orders, so ring plans are evaluated with
+leaves the ring connected). Every plan whose smallest logged boundary is ``r`` is a plan of the chain obtained by
+opening the ring at ``r`` whose last group keeps stages ``0..r`` together, with ``r``'s bytes added, so the best of
+the ``S`` restricted chain searches (one per opening edge) and the no-cut plan is exact (``_ring_plans``). Rotations sum group costs in different orders, so ring plans are evaluated with
 an exactly rounded sum; ties may differ in the last bit.
 """
 
@@ -288,7 +288,6 @@ class LoggingPlan:
         n = self.num_stages
         return tuple(tuple(s % n for s in range(first, last + 1 + (n if last < first else 0)))
                      for first, last in self.groups)
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
