@@ -580,8 +580,9 @@ def launch(
     log_budget: Annotated[
         str | None,
         _own("--log-budget", panel=SWIFT, metavar="SIZE",
-             help="Pipelines: bytes of stage-boundary logs to keep (e.g. 2GiB); stages are grouped to minimise "
-                  "the expected replay within it (default: log every boundary)."),
+             help="Pipelines: bytes of stage-boundary logs to keep (e.g. 2GiB); pipeline ranks (with all their "
+                  "stages, also interleaved) are grouped to minimise the expected replay within it (default: log "
+                  "every boundary)."),
     ] = None,
     log_memory: Annotated[
         str | None,

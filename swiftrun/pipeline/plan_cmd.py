@@ -1,7 +1,14 @@
 """``swiftrun plan``: which pipeline boundaries to log under a storage budget, and the whole trade-off.
 
 Input is either a profile file (``--profile FILE.json``, the schema below) or the numbers on the command line
-(``--stages``, ``--boundary-bytes``, ``--ckpt-every``). Flags given with a profile override its values. Output:
+(``--stages``, ``--boundary-bytes``, ``--ckpt-every``). Flags given with a profile override its values.
+
+An interleaved (looped) schedule, rank r of P running virtual stages r, r+P, ..., is planned over its P ranks
+(pipeline positions: a rank's virtual stages fail together), which form a ring: give one "stage" per rank (its
+compute: the sum of its virtual stages'), as ``boundary_bytes`` of rank p the bytes of every virtual boundary
+between rank p and rank p+1 (one per round), and the wrap, the boundaries from rank P-1's stage of one round to
+rank 0's of the next, as ``wrap_bytes`` (``--wrap-bytes``). A group may then wrap around (``[3-0]``: ranks 3 and 0;
+boundary ``3|0`` is the wrap). swiftrun/pipeline/looped.py derives these from per-virtual-boundary numbers. Output:
 the plan chosen for ``--log-budget`` and the trade-off curve (every budget's best plan) as rich tables;
 ``--plot FILE.png`` draws the curve, which needs matplotlib (``pip install 'swiftrun[plot]'``).
 
@@ -23,6 +30,8 @@ Profile schema (version 1), a JSON object::
       "replay_speedup": 1.0,             # optional: parallel recovery's replay speed-up (>= 1, default 1)
       "micro_batches": 1,                # optional: 1 models a group's replay as the sum of its stages' times
       "restart_seconds": 90.0,           # optional: a global restart's expected recovery, shown for comparison
+      "wrap_bytes": 134217728,           # optional: an interleaved schedule's ranks (a ring, see above): bytes
+                                         #   per iteration over the wrap boundary; an integer or a size
       "meta": {}                         # optional, free-form (model name, when measured): ignored
     }
 
@@ -59,7 +68,7 @@ from swiftrun.report import PLOT_INSTALL_HINT, PlotUnavailable, _pyplot  # noqa:
 PROFILE_VERSION = 1
 _PROFILE_KEYS = {
     "version", "ckpt_every", "stages", "failure_weights", "replay_speedup", "micro_batches", "restart_seconds",
-    "meta",
+    "wrap_bytes", "meta",
 }  # fmt: skip
 _STAGE_KEYS = {"compute_seconds", "boundary_bytes"}
 
@@ -89,6 +98,8 @@ def profile_to_dict(plan_input: PlanInput) -> dict[str, Any]:
         data["failure_weights"] = list(plan_input.failure_weights)
     if plan_input.restart_seconds is not None:
         data["restart_seconds"] = plan_input.restart_seconds
+    if plan_input.wrap_bytes is not None:
+        data["wrap_bytes"] = plan_input.wrap_bytes
     return data
 
 
@@ -106,7 +117,9 @@ def profile_from_dict(data: Any, overrides: dict[str, Any] | None = None) -> Pla
         raise PlanError("the profile needs 'stages': a non-empty list of {compute_seconds, boundary_bytes}")
     stages = tuple(_stage(index, raw) for index, raw in enumerate(raw_stages))
     values = {key: data.get(key) for key in ("ckpt_every", "failure_weights", "replay_speedup", "micro_batches",
-                                             "restart_seconds")}  # fmt: skip
+                                             "restart_seconds", "wrap_bytes")}  # fmt: skip
+    if isinstance(values["wrap_bytes"], str):
+        values["wrap_bytes"] = parse_size(values["wrap_bytes"])
     values.update({key: value for key, value in (overrides or {}).items() if value is not None})
     if values["ckpt_every"] is None:
         raise PlanError("the profile has no 'ckpt_every' and --ckpt-every was not given")
@@ -184,6 +197,7 @@ def build_input(
     replay_speedup: float | None = None,
     micro_batches: int | None = None,
     restart_seconds: float | None = None,
+    wrap_bytes: str | None = None,
 ) -> PlanInput:
     """The command line's :class:`PlanInput`: a profile file, or ``--stages``/``--boundary-bytes``/``--ckpt-every``."""
     overrides: dict[str, Any] = {
@@ -192,6 +206,7 @@ def build_input(
         "replay_speedup": replay_speedup,
         "micro_batches": micro_batches,
         "restart_seconds": restart_seconds,
+        "wrap_bytes": None if wrap_bytes is None else _wrap_size(wrap_bytes),
     }
     if profile is not None:
         if stages is not None or boundary_bytes is not None:
@@ -215,17 +230,24 @@ def build_input(
     return PlanInput.from_lists(times, sizes, ckpt_every, **options)
 
 
+def _wrap_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except PlanError as error:
+        raise PlanError(f"--wrap-bytes: {error}") from None
+
+
 # --- text -------------------------------------------------------------------------------------------------------
 
 
 def groups_label(plan: LoggingPlan) -> str:
-    """``[0] [1-2] [3]``."""
+    """``[0] [1-2] [3]``; on a ring a group may wrap around: ``[1-2] [3-0]``."""
     return " ".join(f"[{a}]" if a == b else f"[{a}-{b}]" for a, b in plan.groups)
 
 
 def boundaries_label(plan: LoggingPlan) -> str:
-    """``0|1, 2|3``, or ``none``."""
-    return ", ".join(f"{b}|{b + 1}" for b in plan.logged_boundaries) or "none"
+    """``0|1, 2|3``, or ``none``; the wrap of a ring of 4 is ``3|0``."""
+    return ", ".join(f"{b}|{(b + 1) % plan.num_stages}" for b in plan.logged_boundaries) or "none"
 
 
 def seconds_label(seconds: float) -> str:
@@ -238,7 +260,10 @@ def seconds_label(seconds: float) -> str:
 
 def describe_input(plan_input: PlanInput) -> list[str]:
     """Two short lines: the pipeline, then the replay model."""
-    pipeline = [f"{plan_input.num_stages} stages", f"checkpoint every {plan_input.ckpt_every} iterations"]
+    pipeline = [f"{plan_input.num_stages} stages" if not plan_input.ring else
+                f"{plan_input.num_stages} ranks of an interleaved schedule (a ring: the wrap {plan_input.num_stages - 1}|0 "
+                f"carries {format_size(plan_input.wrap_bytes or 0)} per iteration)",
+                f"checkpoint every {plan_input.ckpt_every} iterations"]
     if plan_input.failure_weights is not None:
         pipeline.append("weighted failures")
     model = [
@@ -254,7 +279,7 @@ def plan_table(plan_input: PlanInput, plan: LoggingPlan, budget: int) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    num_boundaries = plan_input.num_stages - 1
+    num_boundaries = len(plan_input.edge_bytes)
     table.add_row("log budget", f"{format_size(budget)} ({budget} bytes)")
     table.add_row("logging groups", groups_label(plan))
     table.add_row("logged boundaries", f"{boundaries_label(plan)}  ({len(plan.logged_boundaries)} of {num_boundaries})")
@@ -336,7 +361,8 @@ def draw_curve(
         axes.axhline(plan_input.restart_seconds, color="tab:purple", linestyle="-.", linewidth=1,
                      label="global restart")  # fmt: skip
     axes.set(
-        title=f"Selective logging: {plan_input.num_stages} stages, checkpoint every {plan_input.ckpt_every} iterations",
+        title=f"Selective logging: {plan_input.num_stages} {'ranks (interleaved)' if plan_input.ring else 'stages'}, "
+              f"checkpoint every {plan_input.ckpt_every} iterations",
         xlabel=f"peak log volume ({unit})",
         ylabel="recovery time (s of replay)",
     )
@@ -363,12 +389,21 @@ def plan(
         typer.Option("--profile", metavar="FILE.json", help="Measured profile (schema: pipeline/plan_cmd.py)."),
     ] = None,
     stages: Annotated[
-        Optional[str], typer.Option("--stages", metavar="T0,T1,...", help="Compute seconds per iteration per stage.")
-    ] = None,
+        Optional[str],
+        typer.Option("--stages", metavar="T0,T1,...",
+                     help="Compute seconds per iteration per stage (interleaved: per rank, all its virtual stages)."),
+    ] = None,  # fmt: skip
     boundary_bytes: Annotated[
         Optional[str],
         typer.Option("--boundary-bytes", metavar="B0,B1,...",
-                     help="Bytes per iteration crossing each boundary, both directions (sizes: 256MiB)."),
+                     help="Bytes per iteration crossing each boundary, both directions (sizes: 256MiB); interleaved: "
+                          "between rank p and p+1, all rounds."),
+    ] = None,  # fmt: skip
+    wrap_bytes: Annotated[
+        Optional[str],
+        typer.Option("--wrap-bytes", metavar="SIZE",
+                     help="Interleaved (looped) schedule: bytes per iteration from the last rank back to the first "
+                          "(virtual stage kP-1 -> kP); the ranks then form a ring and a group may wrap around."),
     ] = None,  # fmt: skip
     ckpt_every: Annotated[
         Optional[int], typer.Option("--ckpt-every", metavar="K", help="Checkpoint interval in iterations.")
@@ -417,6 +452,7 @@ def plan(
             replay_speedup=replay_speedup,
             micro_batches=micro_batches,
             restart_seconds=restart_seconds,
+            wrap_bytes=wrap_bytes,
         )
         budget = None if log_budget is None else parse_size(log_budget)
         if max_rows < 2:
@@ -435,10 +471,12 @@ def plan(
         console.print("[bold]Chosen plan[/bold]")
         console.print(plan_table(plan_input, chosen, budget))
         if chosen.logs_nothing and plan_input.num_stages > 1:
+            # on a ring a split needs two boundaries: one cut leaves it in one piece
+            cheapest = sum(sorted(plan_input.edge_bytes)[: 2 if plan_input.ring else 1]) * plan_input.ckpt_every
             console.print(
                 "[yellow]warning:[/yellow] the budget logs no boundary: any failure replays every stage from its "
-                f"checkpoint, like a global restart (the cheapest boundary needs "
-                f"{format_size(min(plan_input.boundary_bytes) * plan_input.ckpt_every)})"
+                f"checkpoint, like a global restart (the cheapest "
+                f"{'split' if plan_input.ring else 'boundary'} needs {format_size(cheapest)})"
             )
     console.print()
     console.print(curve_table(curve, chosen, max_rows, console.width))

@@ -72,6 +72,18 @@ Complexity: ``O(S^2 * F log(S F))`` time for a frontier of ``F`` points; ``F <= 
 the same bytes (the usual transformer pipeline), and at most the number of distinct byte totals within the budget
 in general. Swift's own greedy (merge the boundary with the least added time per byte saved) is a knapsack-style
 heuristic and can miss the optimum; the tests show instances where it does.
+
+Rings
+=====
+
+An interleaved (looped) schedule runs virtual stages ``r, r+P, ...`` on rank ``r``; its ranks fail whole, so the
+planner's "stages" are then the ``P`` ranks, and they form a ring: boundary ``P-1`` (the *wrap*,
+``PlanInput.wrap_bytes``) joins the last rank back to the first (swiftrun/pipeline/looped.py builds such inputs).
+Groups are arcs of the ring and may wrap around (``(3, 0)``). A plan logs no boundary or at least two (one cut
+leaves the ring connected). Every plan whose smallest logged boundary is ``r`` is a plan of the chain obtained by
+opening the ring at ``r`` whose last group keeps stages ``0..r`` together, with ``r``'s bytes added, so the best of
+the ``S`` restricted chain searches (one per opening edge) and the no-cut plan is exact (``_ring_plans``). Rotations sum group costs in different orders, so ring plans are evaluated with
+an exactly rounded sum; ties may differ in the last bit.
 """
 
 from __future__ import annotations
@@ -140,6 +152,10 @@ class PlanInput:
         replay as the sum of its stages' times (conservative), more models a pipelined replay (module docstring).
     ``restart_seconds``: expected recovery time of a global checkpoint restart, for comparison only (reported,
         never used in the choice); ``None``: unknown.
+    ``wrap_bytes``: ``None`` for a chain (one stage per rank); a number of bytes makes the stages a *ring*: an
+        interleaved (looped) schedule's pipeline positions, where the wrap boundary from the last position back
+        to the first carries ``wrap_bytes`` per iteration and a logging group may wrap around (the module
+        docstring, "Rings"; swiftrun/pipeline/looped.py builds such inputs from virtual stages).
     """
 
     stages: tuple[StageProfile, ...]
@@ -148,6 +164,7 @@ class PlanInput:
     replay_speedup: float = 1.0
     micro_batches: int = 1
     restart_seconds: float | None = None
+    wrap_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -185,7 +202,13 @@ class PlanInput:
             if not _finite_non_negative(self.restart_seconds):
                 raise PlanError(f"restart_seconds must be a finite number >= 0, not {self.restart_seconds!r}")
             object.__setattr__(self, "restart_seconds", float(self.restart_seconds))
-        if sum(s.boundary_bytes for s in self.stages) * self.ckpt_every > _MAX_TOTAL_BYTES:
+        if self.wrap_bytes is not None:
+            if not _whole(self.wrap_bytes) or self.wrap_bytes < 0:
+                raise PlanError(f"wrap_bytes must be a whole number of bytes >= 0, not {self.wrap_bytes!r}")
+            object.__setattr__(self, "wrap_bytes", int(self.wrap_bytes))
+            if len(self.stages) < 2:
+                raise PlanError("a ring (wrap_bytes) needs at least 2 stages: one position has no wrap boundary")
+        if sum(self.edge_bytes) * self.ckpt_every > _MAX_TOTAL_BYTES:
             raise PlanError("the log volume of every boundary over one checkpoint interval exceeds 2**62 bytes")
 
     @classmethod
@@ -216,6 +239,16 @@ class PlanInput:
         return tuple(stage.boundary_bytes for stage in self.stages[:-1])
 
     @property
+    def ring(self) -> bool:
+        """The stages form a ring (an interleaved schedule's positions): groups may wrap around."""
+        return self.wrap_bytes is not None
+
+    @property
+    def edge_bytes(self) -> tuple[int, ...]:
+        """Bytes per iteration of every boundary a plan can log: the ``S-1`` boundaries, then the wrap on a ring."""
+        return self.boundary_bytes + ((self.wrap_bytes,) if self.wrap_bytes is not None else ())
+
+    @property
     def failure_probabilities(self) -> tuple[float, ...]:
         weights = self.failure_weights or (1.0,) * len(self.stages)
         total = math.fsum(weights)
@@ -226,11 +259,14 @@ class PlanInput:
 class LoggingPlan:
     """Which boundaries are logged, and what that costs.
 
-    ``groups``: the logging groups as inclusive ``(first_stage, last_stage)`` ranges, in pipeline order.
-    ``logged_boundaries``: the boundaries logged (boundary ``b`` lies between stage ``b`` and ``b+1``), ascending.
+    ``groups``: the logging groups as inclusive ``(first_stage, last_stage)`` ranges, ordered by first stage; on a
+        ring a group that wraps around has ``first > last`` (``(3, 0)``: stages 3 and 0 of 4).
+    ``logged_boundaries``: the boundaries logged (boundary ``b`` lies between stage ``b`` and ``b+1``; on a ring,
+        boundary ``S-1`` is the wrap, between stage ``S-1`` and stage 0), ascending.
     ``peak_log_bytes``: log volume held at the peak: one checkpoint interval of every logged boundary.
     ``expected_recovery_seconds``: expected replay time of a failure (module docstring).
     ``worst_recovery_seconds``: replay time of the slowest group failing just before a checkpoint.
+    ``num_stages``: the stages planned; ``ring``: they form a ring (:attr:`PlanInput.ring`).
     """
 
     groups: tuple[tuple[int, int], ...]
@@ -238,6 +274,8 @@ class LoggingPlan:
     peak_log_bytes: int
     expected_recovery_seconds: float
     worst_recovery_seconds: float
+    num_stages: int
+    ring: bool = False
 
     @property
     def logs_nothing(self) -> bool:
@@ -245,8 +283,11 @@ class LoggingPlan:
         return not self.logged_boundaries
 
     @property
-    def num_stages(self) -> int:
-        return self.groups[-1][1] + 1
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """Each group's stages, in ring order from its first (``(3, 0)`` of 4 stages -> ``(3, 0)``)."""
+        n = self.num_stages
+        return tuple(tuple(s % n for s in range(first, last + 1 + (n if last < first else 0)))
+                     for first, last in self.groups)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,11 +302,17 @@ class _Costs:
         self.input = plan_input
         self.times = [stage.compute_seconds for stage in plan_input.stages]
         self.probabilities = plan_input.failure_probabilities
-        self.boundary_peak = [b * plan_input.ckpt_every for b in plan_input.boundary_bytes]
+        # one entry per boundary a plan can log: S-1, and the wrap on a ring
+        self.boundary_peak = [b * plan_input.ckpt_every for b in plan_input.edge_bytes]
+
+    def _span(self, values: Sequence[float], first: int, last: int) -> Sequence[float]:
+        """``values`` of stages ``first..last``; wrapping around on a ring when ``first > last``."""
+        return values[first : last + 1] if first <= last else [*values[first:], *values[: last + 1]]
 
     def replay_seconds(self, first: int, last: int) -> float:
         """Seconds to replay one iteration of stages ``first..last`` (inclusive)."""
-        times = self.times[first : last + 1]
+        # fsum and max do not depend on the order: a group's cost is the same float whichever end it is read from
+        times = self._span(self.times, first, last)
         total = math.fsum(times)
         m = self.input.micro_batches
         per_iteration = total if m == 1 else (total + (m - 1) * max(times)) / m
@@ -273,14 +320,19 @@ class _Costs:
 
     def expected_seconds(self, first: int, last: int) -> float:
         """This group's term of the expected recovery time: P(failure hits it) * K/2 iterations of its replay."""
-        probability = math.fsum(self.probabilities[first : last + 1])
+        probability = math.fsum(self._span(self.probabilities, first, last))
         return probability * (self.input.ckpt_every / 2) * self.replay_seconds(first, last)
 
     def worst_seconds(self, first: int, last: int) -> float:
         return self.input.ckpt_every * self.replay_seconds(first, last)
 
 
-def _groups_of(num_stages: int, logged: Sequence[int]) -> tuple[tuple[int, int], ...]:
+def _groups_of(num_stages: int, logged: Sequence[int], ring: bool = False) -> tuple[tuple[int, int], ...]:
+    if ring and len(logged) >= 2:  # arcs between consecutive cuts; the one across the wrap has first > last
+        arcs = [((cut + 1) % num_stages, nxt) for cut, nxt in zip(logged, [*logged[1:], logged[0]])]
+        return tuple(sorted(arcs))
+    if ring:  # no cut, or one: a ring cut once is still connected, one group
+        return ((0, num_stages - 1),)
     starts = [0, *(b + 1 for b in logged)]
     ends = [*logged, num_stages - 1]
     return tuple(zip(starts, ends))
@@ -289,9 +341,11 @@ def _groups_of(num_stages: int, logged: Sequence[int]) -> tuple[tuple[int, int],
 def _make_plan(costs: _Costs, logged: Sequence[int]) -> LoggingPlan:
     plan_input = costs.input
     logged = tuple(sorted(logged))
-    groups = _groups_of(plan_input.num_stages, logged)
+    groups = _groups_of(plan_input.num_stages, logged, plan_input.ring)
     expected = 0.0
-    for first, last in groups:  # left to right, the order the search accumulates in: equal plans, equal floats
+    if plan_input.ring:  # rotations of the search sum in different orders: the exactly rounded sum is canonical
+        expected = math.fsum(costs.expected_seconds(first, last) for first, last in groups)
+    for first, last in () if plan_input.ring else groups:  # left to right, the order the search accumulates in
         expected += costs.expected_seconds(first, last)
     worst = max(costs.worst_seconds(first, last) for first, last in groups)
     return LoggingPlan(
@@ -300,15 +354,19 @@ def _make_plan(costs: _Costs, logged: Sequence[int]) -> LoggingPlan:
         peak_log_bytes=sum(costs.boundary_peak[b] for b in logged),
         expected_recovery_seconds=expected,
         worst_recovery_seconds=worst,
+        num_stages=plan_input.num_stages,
+        ring=plan_input.ring,
     )
 
 
 def evaluate(plan_input: PlanInput, logged_boundaries: Sequence[int]) -> LoggingPlan:
     """The plan that logs exactly ``logged_boundaries``, with its costs (to compare a hand-made grouping)."""
     boundaries = set(logged_boundaries)
-    bad = sorted(b for b in boundaries if not (isinstance(b, int) and 0 <= b < plan_input.num_stages - 1))
+    count = len(plan_input.edge_bytes)
+    bad = sorted(b for b in boundaries if not (isinstance(b, int) and 0 <= b < count))
     if bad:
-        raise PlanError(f"boundaries {bad} do not exist in a pipeline of {plan_input.num_stages} stages")
+        kind = "ring" if plan_input.ring else "pipeline"
+        raise PlanError(f"boundaries {bad} do not exist in a {kind} of {plan_input.num_stages} stages")
     return _make_plan(_Costs(plan_input), sorted(boundaries))
 
 
@@ -328,8 +386,11 @@ class _Frontier:
     prev_index: np.ndarray  # int64: the point of frontier[prev_start] it extends
 
 
-def _search(costs: _Costs, budget: int) -> list[_Frontier]:
-    """Frontiers of every prefix ``0..j-1`` (index ``j``), keeping only points within ``budget``."""
+def _search(costs: _Costs, budget: int, last_start_max: int | None = None) -> list[_Frontier]:
+    """Frontiers of every prefix ``0..j-1`` (index ``j``), keeping only points within ``budget``.
+
+    ``last_start_max``: only plans whose last group starts at or before this stage (a ring opened at its smallest
+    cut, ``_ring_plans``); the prefixes past it are then never extended and are left empty."""
     n = costs.input.num_stages
     empty = np.zeros(0, dtype=np.int64)
     frontiers = [
@@ -341,9 +402,13 @@ def _search(costs: _Costs, budget: int) -> list[_Frontier]:
             prev_index=np.full(1, -1, dtype=np.int64),
         )
     ]
+    limit = n - 1 if last_start_max is None else last_start_max
     for end in range(1, n + 1):  # the last group is stages start..end-1
         peaks, expecteds, worsts, starts, indices = [], [], [], [], []
-        for start in range(end):
+        if limit < end < n:
+            frontiers.append(_Frontier(empty, np.zeros(0), np.zeros(0), empty, empty))
+            continue
+        for start in range(min(end, limit + 1)):
             base = frontiers[start]
             if base.peak.size == 0:
                 continue
@@ -412,6 +477,8 @@ def choose_plan(plan_input: PlanInput, budget_bytes: int | float) -> LoggingPlan
     """
     budget = _check_budget(budget_bytes)
     costs = _Costs(plan_input)
+    if plan_input.ring:
+        return min(_ring_plans(costs, budget), key=_preference)
     frontiers = _search(costs, budget)
     final = frontiers[-1]
     best = int(np.argmin(final.expected))  # the fastest within the budget (the last point: the frontier falls)
@@ -426,8 +493,61 @@ def tradeoff_curve(plan_input: PlanInput) -> list[LoggingPlan]:
     logging saves time). For any budget, ``choose_plan`` returns the last plan of the curve within it.
     """
     costs = _Costs(plan_input)
+    if plan_input.ring:
+        curve: list[LoggingPlan] = []
+        for plan in sorted(_ring_plans(costs, _MAX_TOTAL_BYTES), key=lambda p: (p.peak_log_bytes, *_preference(p))):
+            if not curve or plan.expected_recovery_seconds < curve[-1].expected_recovery_seconds:
+                curve.append(plan)
+        return curve
     frontiers = _search(costs, _MAX_TOTAL_BYTES)
     return [_make_plan(costs, _logged_of(frontiers, i)) for i in range(frontiers[-1].peak.size)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rings (interleaved schedules)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _preference(plan: LoggingPlan) -> tuple[float, int, float]:
+    """What the planner minimises, in order: expected seconds, then bytes, then the worst case."""
+    return (plan.expected_recovery_seconds, plan.peak_log_bytes, plan.worst_recovery_seconds)
+
+
+def _ring_plans(costs: _Costs, budget: int) -> list[LoggingPlan]:
+    """Candidate plans of a ring within ``budget``, among them an optimal one for every budget up to ``budget``.
+
+    A plan of a ring logs no boundary (one group) or at least two (a single cut leaves the ring connected: it
+    would pay for a log and still replay everything). Every plan whose smallest cut is boundary ``r`` is a plan of
+    the *chain* obtained by opening the ring at ``r``, stages ``r+1, ..., S-1, 0, ..., r``, plus ``r``'s bytes,
+    whose last group holds stages ``0..r`` whole (boundaries ``0..r-1`` are not cut); that chain's exact search
+    restricted so (its frontier within ``budget - bytes of r``) holds, for each budget, a plan at least as good as
+    any ring plan whose smallest cut is ``r``. Over all ``r`` plus the no-cut plan this covers every ring plan once:
+    the best candidate is optimal. ``S`` chain searches of ``S - r`` free stages: ``O(S^3 F log(S F) / 6)``.
+    """
+    plan_input = costs.input
+    n = plan_input.num_stages
+    edges = plan_input.edge_bytes  # edge e joins stage e and stage (e + 1) % n; e = n - 1 is the wrap
+    weights = plan_input.failure_weights
+    found: dict[tuple[int, ...], LoggingPlan] = {(): _make_plan(costs, ())}
+    for cut in range(n):
+        left = budget - costs.boundary_peak[cut]
+        if left < 0:
+            continue
+        order = [(cut + 1 + i) % n for i in range(n)]  # the chain: its boundary i is the ring's edge order[i]
+        chain = PlanInput(
+            stages=tuple(StageProfile(plan_input.stages[s].compute_seconds, edges[s] if i < n - 1 else 0)
+                         for i, s in enumerate(order)),
+            ckpt_every=plan_input.ckpt_every,
+            failure_weights=None if weights is None else tuple(weights[s] for s in order),
+            replay_speedup=plan_input.replay_speedup,
+            micro_batches=plan_input.micro_batches,
+        )  # fmt: skip
+        frontiers = _search(_Costs(chain), left, last_start_max=n - 1 - cut)  # stages 0..cut stay together
+        for point in range(frontiers[-1].peak.size):
+            cuts = tuple(sorted({cut, *(order[b] for b in _logged_of(frontiers, point))}))
+            if len(cuts) >= 2 and cuts not in found:
+                found[cuts] = _make_plan(costs, cuts)
+    return list(found.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -268,3 +268,66 @@ def test_three_replicas_of_a_stage_replay_with_the_bucket_layout_of_their_checkp
     replays = [json.loads(line) for line in events.read_text().splitlines() if '"event":"replay"' in line]
     assert replays and all(r["ranks"] == [0, 2, 4] for r in replays), replays
     assert_equal_nested(load(reference), load(save), "rank files")
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pids(records: list[dict], ranks: tuple[int, ...]) -> dict[int, set[int]]:
+    pids: dict[int, set[int]] = {}
+    for r in records:
+        if r["event"] == "worker_state" and r.get("rank") in ranks and r.get("pid"):
+            pids.setdefault(r["rank"], set()).add(r["pid"])
+    return pids
+
+
+@pytest.mark.timeout(300)
+def test_budget_0_on_an_interleaved_pipeline_replays_every_rank_from_its_own_checkpoint(pp_runs, tmp_path, marker):
+    """Interleaved 1F1B on 2 ranks (4 virtual stages) with --log-budget 0: one logging group of both positions,
+    nothing logged after the plan. Rank 1 SIGKILLed: its replacement and rank 0 (rolled back to its own checkpoint
+    copy, same process) replay together, all their virtual stages talking live. Bitwise plain torchrun's run
+    (model and optimizer state)."""
+    reference = pp_runs("torchrun2", "--schedule", "interleaved")
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "2", "--no-dashboard", "--event-log", str(events), "--log-budget", "0",
+                        "--fault", "1:5:backward:sigkill", str(TRAIN_PP), *COMMON,
+                        "--schedule", "interleaved", "--ckpt-every", "2", "--save-dir", str(save)), marker)
+    records = _events(events)
+    (plan,) = [r for r in records if r["event"] == "log_plan"]
+    assert plan["groups"] == [[0, 1]] and plan["logged"] == [] and plan["peak_log_bytes"] == 0, plan
+    assert "of ranks (interleaved: 4 stages on 2)" in plan["message"], plan
+    assert {tuple(r["ranks"]) for r in records if r["event"] == "replay"} == {(0, 1)}
+    assert [r["rank"] for r in records if r["event"] == "worker_failed"] == [1]
+    assert len(_pids(records, (0,))[0]) == 1  # rank 0 replayed in its own process
+    assert_equal_nested(load(reference), load(save), "rank files")
+
+
+@pytest.mark.extended  # 4 ranks and a reference run of their own; the 2-rank test above stays in the default suite
+@pytest.mark.timeout(300)
+def test_selective_logging_of_an_interleaved_pipeline_replays_the_killed_ranks_group(pp_runs, tmp_path, marker):
+    """Interleaved 1F1B on 4 ranks (8 virtual stages) under --log-budget: the plan groups pipeline positions (a
+    rank's virtual stages fail together), logging only the virtual boundaries between groups. 16-wide activations,
+    4 micro-batches: 2 KiB per virtual boundary and step, both ways; the edges 0-1, 1-2, 2-3 carry two boundaries
+    each, the wrap (stage 3 -> 4) one. 14 KiB over 2 steps logs edge 1-2 and the wrap: groups [0,1] [2,3], 12 KiB
+    ([1,2] [3,0] would cost 16). Rank 1 SIGKILLed: ranks 0 and 1 replay (rank 0 rolls back to its own copy; inside
+    the group the traffic runs live, from ranks 2 and 3 it is served from their logs); ranks 2 and 3 keep their
+    processes. The model ends bitwise the single process's (which interleaved torchrun matches bitwise, above)."""
+    single = pp_runs("single", "--layers", "8")  # 8 virtual stages: one block each
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    launch(swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--event-log", str(events), "--log-budget",
+                        "14KiB", "--fault", "1:5:backward:sigkill", str(TRAIN_PP), *COMMON,
+                        "--schedule", "interleaved", "--layers", "8", "--ckpt-every", "2", "--save-dir", str(save)),
+           marker)
+    records = _events(events)
+    (plan,) = [r for r in records if r["event"] == "log_plan"]
+    assert plan["groups"] == [[0, 1], [2, 3]] and plan["virtual_stages"] == 8, plan
+    assert plan["logged"] == [1, 3, 5] and plan["edges"] == [1, 3], plan  # 1->2, 3->4 (the wrap), 5->6
+    assert plan["peak_log_bytes"] <= 14 * 1024 and len(plan["boundary_bytes"]) == 3 and plan["wrap_bytes"] > 0, plan
+    assert "groups [0,1] [2,3] of ranks (interleaved: 8 stages on 4)" in plan["message"], plan
+    assert {tuple(r["ranks"]) for r in records if r["event"] == "replay"} == {(0, 1)}
+    assert [r["rank"] for r in records if r["event"] == "worker_failed"] == [1]
+    pids = _pids(records, (0, 2, 3))
+    assert sorted(pids) == [0, 2, 3] and all(len(p) == 1 for p in pids.values()), pids  # same processes
+    reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
+    assert_equal_nested(merged_model(save), reference, "model")

@@ -301,3 +301,39 @@ def test_python_dash_m_swiftrun_plan() -> None:
 def test_plan_error_from_the_api_is_raised_not_printed() -> None:
     with pytest.raises(PlanError):
         build_input(profile=None, stages="1", boundary_bytes=None, ckpt_every=None)
+
+
+# --- interleaved schedules: the ranks form a ring ----------------------------------------------------------------
+
+RING = ["--stages", "1,1,1,1", "--boundary-bytes", "1KiB,10KiB,1KiB", "--wrap-bytes", "10KiB", "--ckpt-every", "1"]
+
+
+def test_an_interleaved_pipeline_is_planned_as_a_ring(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run([*RING, "--log-budget", "2KiB"], capsys)
+    assert code == 0, err
+    assert "4 ranks of an interleaved schedule (a ring: the wrap 3|0 carries 10.0 KiB per iteration)" in out
+    assert "logging groups     [1-2] [3-0]" in out  # the cheap split wraps around
+    assert "logged boundaries  0|1, 2|3  (2 of 4)" in out
+    code, out, _ = run([*RING, "--log-budget", "1KiB"], capsys)
+    assert code == 0 and "the cheapest split needs 2.00 KiB" in out  # one cut alone splits nothing
+
+
+def test_a_ring_profile_round_trips(tmp_path: Path) -> None:
+    plan_input = build_input(profile=None, stages="1,2,3", boundary_bytes="5,6", ckpt_every=4, wrap_bytes="1KiB")
+    assert plan_input.wrap_bytes == 1024
+    data = profile_to_dict(plan_input)
+    assert data["wrap_bytes"] == 1024
+    assert profile_from_dict(data) == plan_input
+    assert profile_from_dict({**data, "wrap_bytes": "1KiB"}) == plan_input
+    path = write_profile(tmp_path / "ring.json", data)
+    assert load_profile(path).ring
+    assert not profile_from_dict({k: v for k, v in data.items() if k != "wrap_bytes"}).ring
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([*RING[:4], "--wrap-bytes", "lots", "--ckpt-every", "1"], "--wrap-bytes: 'lots' is not a size"),
+    (["--stages", "1", "--wrap-bytes", "5", "--ckpt-every", "1"], "needs at least 2 stages"),
+])
+def test_bad_ring_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(argv, capsys)
+    assert code == 2 and message in err, err
