@@ -331,3 +331,31 @@ def test_selective_logging_of_an_interleaved_pipeline_replays_the_killed_ranks_g
     assert sorted(pids) == [0, 2, 3] and all(len(p) == 1 for p in pids.values()), pids  # same processes
     reference = torch.load(single / "rank0.pt", weights_only=True)["model"]
     assert_equal_nested(merged_model(save), reference, "model")
+
+
+@pytest.mark.extended  # 4 ranks, two runs and a reference of their own
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("budget, replaying", [("0", (0, 1, 2, 3)), ("1GiB", (1, 3))])
+def test_every_replica_of_an_interleaved_position_lost_under_a_log_budget(pp_runs, tmp_path, marker, budget,
+                                                                          replaying):
+    """Interleaved 1F1B, 2 positions x 2 replicas (4 virtual stages per pipeline), --log-budget; both replicas of
+    position 1 (ranks 1 and 3) SIGKILLed together in step 5's backward. Budget 0: one logging group per replica,
+    so all four ranks replay in lockstep (ranks 0 and 2 from their own copies, in their own processes), the stages'
+    DDP all-reduces live. A budget that logs everything: ranks 1 and 3 replay, ranks 0 and 2 keep their state.
+    Both bitwise plain torchrun's failure-free run."""
+    args = ("--dp", "2", "--schedule", "interleaved")
+    reference = pp_runs("torchrun4", *args)
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    code, out, err = run_killing_together(
+        swiftrun_cmd("--nproc-per-node", "4", "--no-dashboard", "--spares", "0", "--event-log", str(events),
+                     "--log-budget", budget, "--fault", "1:5:backward:sigstop", "--fault", "3:5:backward:sigstop",
+                     str(TRAIN_PP), *COMMON, *args, "--ckpt-every", "2", "--save-dir", str(save)),
+        marker, events, (1, 3))
+    assert code == 0, (out + err)[-4000:]
+    records = _events(events)
+    (plan,) = [r for r in records if r["event"] == "log_plan"]
+    assert plan["groups"] == ([[0, 1]] if budget == "0" else [[0], [1]]), plan
+    assert {tuple(r["ranks"]) for r in records if r["event"] == "replay"} == {replaying}
+    pids = _pids(records, (0, 2))
+    assert all(len(pids[r]) == 1 for r in (0, 2)), pids  # the survivors kept their processes
+    assert_equal_nested(load(reference), load(save), "rank files")
