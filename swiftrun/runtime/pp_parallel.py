@@ -9,9 +9,11 @@ have made (``grad += new``, in the same order), so the result is bitwise the rep
 partial sums is not: ../shared/design/PIPELINE.md, fact 5). The replacement then runs the schedule's gradient
 scaling and the script's optimizer step as usual, and sends the new parameters with the next step's work.
 
-Who helps: the valid ranks that neither replay nor receive a replica's copy, when the plan has one replay set of
-one rank (the same list on every rank, from the plan). ``SWIFTRUN_PARALLEL_REPLAY`` (``--parallel-replay N``)
-caps their number; 0 turns parallel replay off. Right after the hand-over the replacement sends every candidate
+Who helps: the valid ranks that neither replay nor receive a replica's copy, shared out among the replay sets of
+one rank each (two stages lost at once, not adjacent: two sets, each replacement leading its own helpers), the
+same assignment on every rank, from the plan (:func:`assign_helpers`). ``SWIFTRUN_PARALLEL_REPLAY``
+(``--parallel-replay N``) caps each set's share; 0 turns parallel replay off. A set of several ranks (a logging
+group) and replicas replaying in lockstep replay alone. Right after the hand-over the replacement sends every candidate
 an offer: the stage module and loss function (pickled: the helpers run the same script, so the classes resolve),
 or ``None`` when its stage cannot be split (not a GPipe or 1F1B schedule of one stage, a DDP/FSDP-wrapped or
 ``dw_builder`` stage, something that does not pickle); then it replays alone, said in a log line.
@@ -61,14 +63,33 @@ def cap() -> int:
     return int(value) if value else -1
 
 
-def helpers_of(plan: PipePlan, world_size: int, limit: int | None = None) -> tuple[int, ...]:
-    """The ranks that may help the plan's replay, in chain order; () when it is not one rank replaying alone."""
+def _splittable_sets(plan: PipePlan) -> list[tuple[int, ...]]:
+    """The replay sets helpers may join, in plan order: one rank replaying on its own. (A set of several ranks
+    replays alone for now; lockstep replicas run a DDP-wrapped stage, which is never split.)"""
+    return [r.ranks for r in plan.replays if len(r.ranks) == 1 and set(r.together or r.ranks) == set(r.ranks)]
+
+
+def assign_helpers(plan: PipePlan, world_size: int, limit: int | None = None) -> dict[int, tuple[int, ...]]:
+    """Which idle survivors help which replaying rank: ``{replaying rank: helpers in chain order}``, one entry per
+    replay set of one rank (sets of several ranks and lockstep replicas replay alone: absent).
+
+    Idle: the valid ranks that neither replay nor receive a replica's copy. They are dealt out in contiguous
+    shares, as even as possible (the larger shares first), to the sets in plan order; ``limit``
+    (``--parallel-replay N``) caps each set's share: N helpers *per lost stage*, since every set replays the same
+    steps at once and the recovery lasts as long as the slowest. A pure function of the plan: every rank computes
+    the same assignment."""
     limit = cap() if limit is None else limit
-    if limit == 0 or len(plan.replays) != 1 or len(plan.replays[0].ranks) != 1:
-        return ()
-    busy = set(plan.replays[0].ranks) | {t for _, targets in plan.copies for t in targets}
+    sets = _splittable_sets(plan)
+    if limit == 0 or not sets:
+        return {}
+    busy = {m for r in plan.replays for m in (*r.ranks, *r.together)} | {t for _, ts in plan.copies for t in ts}
     idle = [r for r in range(world_size) if r not in busy]
-    return tuple(idle if limit < 0 else idle[:limit])
+    out: dict[int, tuple[int, ...]] = {}
+    shares = ranges(len(idle), len(sets)) if idle else []
+    for (leader,), (lo, hi) in zip(sets, shares):
+        share = idle[lo:hi]
+        out[leader] = tuple(share if limit < 0 else share[:limit])
+    return {leader: helpers for leader, helpers in out.items() if helpers}
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:

@@ -125,6 +125,29 @@ def test_parallel_replay_cap(tmp_path, reference, cap, helpers):
     assert_same(tmp_path, ref)
 
 
+@pytest.mark.extended  # 6 ranks and a reference run of its own (~75 s); the shares: tests/unit/test_pp_parallel.py
+@pytest.mark.timeout(300)
+def test_two_stages_lost_at_once_each_replay_with_their_own_helpers(tmp_path, reference, marker):
+    """6 stages, ranks 1 and 4 SIGKILLed at the same instant (each stopped after step 5's update, then killed back
+    to back): two independent replay sets of one rank, each served from its own neighbours' logs. The idle
+    survivors are shared out in contiguous shares, sets in plan order: ranks 0 and 2 help rank 1, ranks 3 and 5
+    help rank 4, both replays at once. Bitwise the failure-free run; no survivor restarted."""
+    world, lost, script = 6, (1, 4), ("--microbatches", "8")  # a schedule takes at least one per stage
+    ref = reference(script, world)
+    stops = [arg for r in lost for arg in ("--fault", f"{r}:5:after-step:sigstop")]
+    code, out, err = run_killing_together(launch(tmp_path, *stops, script=script, world=world), marker,
+                                          tmp_path / "events.jsonl", lost, timeout=250)
+    assert code == 0, (out + err)[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")], ended
+    replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
+    assert sorted(replays) == [1, 4] and all(r["ranks"] == [rank] for rank, r in replays.items()), replays
+    assert {rank: r["helpers"] for rank, r in replays.items()} == {1: [0, 2], 4: [3, 5]}, replays
+    survivors = survivor_pids(tmp_path, lost)
+    assert sorted(survivors) == [0, 2, 3, 5] and all(len(p) == 1 for p in survivors.values()), survivors
+    assert_same(tmp_path, ref, world)
+
+
 @pytest.mark.timeout(300)
 def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
     """Rank 2 is lost; rank 0 dies while helping replay step 5. The survivors blocked in the fold are released by
