@@ -63,33 +63,31 @@ def cap() -> int:
     return int(value) if value else -1
 
 
-def _splittable_sets(plan: PipePlan) -> list[tuple[int, ...]]:
-    """The replay sets helpers may join, in plan order: one rank replaying on its own. (A set of several ranks
-    replays alone for now; lockstep replicas run a DDP-wrapped stage, which is never split.)"""
-    return [r.ranks for r in plan.replays if len(r.ranks) == 1 and set(r.together or r.ranks) == set(r.ranks)]
-
-
 def assign_helpers(plan: PipePlan, world_size: int, limit: int | None = None) -> dict[int, tuple[int, ...]]:
-    """Which idle survivors help which replaying rank: ``{replaying rank: helpers in chain order}``, one entry per
-    replay set of one rank (sets of several ranks and lockstep replicas replay alone: absent).
+    """Which idle survivors help which replaying rank: ``{replaying rank: its column}``, the column holding one
+    helper per chain, in chain order. A pure function of the plan: every rank computes the same assignment.
 
     Idle: the valid ranks that neither replay nor receive a replica's copy. They are dealt out in contiguous
-    shares, as even as possible (the larger shares first), to the sets in plan order; ``limit``
-    (``--parallel-replay N``) caps each set's share: N helpers *per lost stage*, since every set replays the same
-    steps at once and the recovery lasts as long as the slowest. A pure function of the plan: every rank computes
-    the same assignment."""
+    shares, as even as possible (the larger shares first), to the replay sets in plan order; ``limit``
+    (``--parallel-replay N``) caps each set's share: N helpers *per replay set*, since every set replays the same
+    steps at once and the recovery lasts as long as the slowest. A set of k ranks (a logging group) takes its share
+    in chains of k helpers, one per member (members in rank order): chain c is ``share[c*k:(c+1)*k]``, a full copy
+    of the set's segment; a share smaller than k gives no chain (absent: the set replays alone). Replicas replaying
+    in lockstep (a DDP-wrapped stage, never split) get no helper and are not idle."""
     limit = cap() if limit is None else limit
-    sets = _splittable_sets(plan)
+    sets = [r.ranks for r in plan.replays if set(r.together or r.ranks) == set(r.ranks)]
     if limit == 0 or not sets:
         return {}
     busy = {m for r in plan.replays for m in (*r.ranks, *r.together)} | {t for _, ts in plan.copies for t in ts}
     idle = [r for r in range(world_size) if r not in busy]
     out: dict[int, tuple[int, ...]] = {}
-    shares = ranges(len(idle), len(sets)) if idle else []
-    for (leader,), (lo, hi) in zip(sets, shares):
-        share = idle[lo:hi]
-        out[leader] = tuple(share if limit < 0 else share[:limit])
-    return {leader: helpers for leader, helpers in out.items() if helpers}
+    for ranks, (lo, hi) in zip(sets, ranges(len(idle), len(sets)) if idle else []):
+        share = idle[lo:hi] if limit < 0 else idle[lo:hi][:limit]
+        members, chains = sorted(ranks), len(share) // len(ranks)
+        for j, member in enumerate(members):
+            if chains:
+                out[member] = tuple(share[c * len(members) + j] for c in range(chains))
+    return out
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:
@@ -324,9 +322,27 @@ def _unsplittable(pp: Pipeline) -> str | None:
     return None
 
 
-def offer(pp: Pipeline, helpers: tuple[int, ...]) -> Leader | None:
-    """On the replaying rank, right after the hand-over: offer every candidate helper its part (or nothing)."""
+def _agree(why: str | None, others: list[int], device: torch.device) -> str | None:
+    """Every member of a replay set learns every member's reason not to split (None: none): the set splits only
+    when no member has one, or a chain would miss a column. Returns the first reason found (None: split)."""
+    if not others:
+        return why
+    with collectives.internal():
+        pending: list = []
+        for other in others:
+            pending += _send(why, other, device)
+        theirs = {other: _recv(other, device) for other in others}
+        _wait(pending)
+    return why or next((f"rank {other}: {reason}" for other, reason in theirs.items() if reason), None)
+
+
+def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, ...]],
+          members: tuple[int, ...]) -> Leader | None:
+    """On a replaying rank, right after the hand-over: offer each helper of its column its part (or nothing, when
+    a member of its set cannot be split). ``assigned``: every replaying rank's column (:func:`assign_helpers`), to
+    find the helpers of the neighbouring members in each chain; ``members``: the rank's replay set."""
     device = pp.rec.group.device()
+    me = pp.rec.rank
     why = _unsplittable(pp)
     payload = None
     if why is None:
@@ -335,36 +351,53 @@ def offer(pp: Pipeline, helpers: tuple[int, ...]) -> Leader | None:
             payload = to_bytes({"module": stage.submod, "loss_fn": pp.schedule._loss_fn if stage.is_last else None})
         except Exception as exc:  # noqa: BLE001 - whatever does not pickle: replay alone
             why = f"the stage module or loss function does not pickle ({type(exc).__name__}: {exc})"
-    chain: list[int] = []
+    others = [m for m in members if m != me]
+    why = _agree(why, others, device)
+    setups: list[dict | None] = [None] * len(column)
     if why is None:
         stage = pp.stages[0]
-        parts = ranges(pp.schedule._n_microbatches, 1 + len(helpers))
-        chain = [pp.rec.rank, *helpers[:len(parts) - 1]]
+        parts = ranges(pp.schedule._n_microbatches, 1 + len(column))
+        chains = len(parts) - 1  # the same on every member: one schedule, one micro-batch count
+        live = pp.replay["live"] if pp.replay is not None else set()
+        up = pp._rank_of(stage.stage_index - 1) if not stage.is_first and stage.stage_index - 1 in live else None
+        down = pp._rank_of(stage.stage_index + 1) if not stage.is_last and stage.stage_index + 1 in live else None
+        fold = [me, *column[:chains]]
+        for c in range(chains):
+            setups[c] = {"payload": payload, "chain": fold, "index": stage.stage_index, "first": stage.is_first,
+                         "last": stage.is_last, "seed": pp.seed,
+                         # this chain's helpers of the neighbouring members: activations and gradients run live
+                         "up": assigned[up][c] if up is not None else None,
+                         "down": assigned[down][c] if down is not None else None}
     pending = []
     with collectives.internal():
-        for helper in helpers:
-            setup = None
-            if helper in chain:
-                setup = {"payload": payload, "chain": chain, "ranges": parts, "index": stage.stage_index,
-                         "first": stage.is_first, "last": stage.is_last, "seed": pp.seed}
+        for helper, setup in zip(column, setups):
             pending += _send(setup, helper, device)
         _wait(pending)
     if why is not None:
-        log.info("rank %d replays its stage alone: %s", pp.rec.rank, why)
+        log.info("rank %d replays its stage%s without helpers: %s", me, " with its set" if others else "", why)
         return None
-    log.info("rank %d replays its stage with helpers %s (micro-batch ranges %s)", pp.rec.rank, chain[1:], parts)
-    return Leader(pp, chain, parts)
+    log.info("rank %d replays its stage with helpers %s (micro-batch ranges %s%s)", me, fold[1:], parts,
+             f"; chains run the stages of ranks {sorted(members)}" if others else "")
+    return Leader(pp, fold, parts, others)
 
 
 class Leader:
-    """The replaying rank's schedule, split across helpers for the replay."""
+    """A replaying rank's schedule, split across its helpers for the replay. In a set of several ranks every
+    member leads its own column; the members run the first range among themselves, live."""
 
-    def __init__(self, pp: Pipeline, chain: list[int], parts: list[tuple[int, int]]) -> None:
-        self.pp, self.chain, self.parts = pp, chain, parts
+    def __init__(self, pp: Pipeline, chain: list[int], parts: list[tuple[int, int]], others: list[int]) -> None:
+        self.pp, self.chain, self.parts, self.others = pp, chain, parts, others
         self.schedule, self.stage = pp.schedule, pp.stages[0]
         self.device = pp.rec.group.device()
         self.schedule._step_microbatches = self._step_microbatches  # this instance, for the replay only
         self.checked = False  # the first micro-batch's forward was checked for side effects
+        self.sends: list = []  # live sends to the set's other members, waited at the step's end
+        live = pp.replay["live"] if pp.replay is not None else set()
+        index = self.stage.stage_index
+        # whether the stage's inputs / output gradients come live from a member of the set (else: logs, the
+        # script's micro-batches or the loss)
+        self.live_in = not self.stage.is_first and index - 1 in live
+        self.live_out = not self.stage.is_last and index + 1 in live
 
     @property
     def helpers(self) -> list[int]:
@@ -385,8 +418,10 @@ class Leader:
 
     def _work(self, lo: int, hi: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
               loss_kwargs: dict | None) -> dict:
-        """Everything a helper needs for micro-batches ``lo..hi-1`` of this step: inputs, output gradients, targets
-        (receives are served from the neighbours' logs into the stage's buffers, as in a replay alone)."""
+        """Everything a helper needs for micro-batches ``lo..hi-1`` of this step that only this rank can give:
+        inputs (the script's on the first stage, else served from the neighbours' logs into the stage's buffers,
+        as in a replay alone), output gradients from the logs or targets; what crosses a boundary inside the
+        replay set flows between the chain's helpers instead."""
         stage = self.stage
         mbs: dict[int, dict] = {}
         for i in range(lo, hi):
@@ -394,14 +429,14 @@ class Leader:
             if stage.is_first:
                 entry["args"] = _cpu(tuple(arg_mbs[i]))
                 entry["requires_grad"] = None
-            else:
-                stage.get_fwd_recv_ops(i)
+            elif not self.live_in:
+                stage.get_fwd_recv_ops(i)  # served from the logs: no operation
                 acts = stage._retrieve_recv_activations(i)
                 entry["args"] = _cpu(tuple(acts))
                 entry["requires_grad"] = [bool(a.requires_grad) for a in acts]
             if stage.is_last:
                 entry["target"] = _cpu(target_mbs[i]) if target_mbs is not None else None
-            else:
+            elif not self.live_out:
                 stage.get_bwd_recv_ops(i)
                 entry["grads"] = _cpu(tuple(stage._retrieve_recv_grads(i)))
             mbs[i] = entry
@@ -410,32 +445,52 @@ class Leader:
         return {"step": self.pp.rec.step, "module": to_bytes(self.stage.submod), "mbs": mbs,
                 "loss_kwargs": loss_kwargs}
 
+    def _issue(self, ops: list, wait: bool) -> None:
+        """Run the live operations a factory returned (traffic with the set's other members; none when this rank
+        replays alone): receives are waited for now, sends at the step's end."""
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if wait:
+            for work in works:
+                work.wait()
+        else:
+            self.sends += works
+
     def _forward(self, i: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None, loss_kwargs: dict | None,
                  return_outputs: bool) -> None:
         schedule, stage = self.schedule, self.stage
-        stage.get_fwd_recv_ops(i)
+        self._issue(stage.get_fwd_recv_ops(i), wait=True)
         output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
         schedule._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
-        stage.get_fwd_send_ops(i)
+        self._issue(stage.get_fwd_send_ops(i), wait=False)
 
     def _backward(self, i: int) -> None:
         stage = self.stage
-        stage.get_bwd_recv_ops(i)
+        self._issue(stage.get_bwd_recv_ops(i), wait=True)
         stage.backward_one_chunk(i, loss=self.schedule._maybe_get_loss(stage, i), last_backward=False)
-        stage.get_bwd_send_ops(i)
+        self._issue(stage.get_bwd_send_ops(i), wait=False)
+
+    def _end_sends(self) -> None:
+        sends, self.sends = self.sends, []
+        for work in sends:
+            work.wait()
 
     def _first_forward_is_pure(self, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
                                loss_kwargs: dict | None, return_outputs: bool) -> bool:
         """Run micro-batch 0's forward; False (helpers released, the replay goes on alone) when it changed the
-        module's side state: a helper would start its range from the wrong one."""
+        module's side state (a helper would start its range from the wrong one) on this rank or on another member
+        of its set (they agree: a chain needs every column)."""
         self.checked = True
         before = side_state(self.stage.submod)
         self._forward(0, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
         changed = changed_by(before, side_state(self.stage.submod))
-        if not changed:
+        mine = f"its forward changes {', '.join(changed[:4])}" if changed else None
+        why = _agree(mine, self.others, self.device)
+        if why is None:
             return True
-        log.info("rank %d replays its stage alone: its forward changes %s (a helper would not see the change made "
-                 "by the micro-batches before its range)", self.pp.rec.rank, ", ".join(changed[:4]))
+        log.info("rank %d replays its stage without helpers: %s (a helper would not see the change made by the "
+                 "micro-batches before its range)", self.pp.rec.rank, why)
         self.close()
         self.pp.parallel = None
         return False
@@ -443,6 +498,9 @@ class Leader:
     def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                            target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
                            loss_kwargs: dict | None = None) -> None:
+        """One replayed step in GPipe order, the same on every member of the set (forwards, then backwards, in
+        micro-batch order: gradients accumulate in micro-batch order as in every schedule, and live traffic
+        between members cannot deadlock)."""
         schedule, stage = self.schedule, self.stage
         arg_mbs, kwarg_mbs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         lo, hi = self.parts[0]
@@ -450,13 +508,13 @@ class Leader:
         if not self.checked:
             done = lo + 1
             if not self._first_forward_is_pure(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs):
-                # this step alone, in micro-batch order: forwards, then backwards (gradients accumulate in
-                # micro-batch order, as in every schedule); later steps run the schedule's own code again
+                # this step alone; later steps run the schedule's own code again
                 n = schedule._n_microbatches
                 for i in range(done, n):
                     self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
                 for i in range(n):
                     self._backward(i)
+                self._end_sends()
                 schedule._update_losses(stage, losses)
                 stage.perform_reduce_grad(n if schedule.scale_grads else 1)
                 return
@@ -465,10 +523,11 @@ class Leader:
             for helper, (h_lo, h_hi) in zip(self.helpers, self.parts[1:]):
                 pending += _send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
                                  self.device)
-        for i in range(done, hi):  # this rank's range, as the schedule would (backward in micro-batch order)
+        for i in range(done, hi):  # this rank's range (with the set's other members, live)
             self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
         for i in range(lo, hi):
             self._backward(i)
+        self._end_sends()
         params = list(stage.submod.parameters())
         with collectives.internal():
             _wait(pending)
@@ -495,7 +554,11 @@ def receive_offer(leader: int, device: torch.device) -> dict | None:
 
 def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     """Compute this rank's range of every replayed step and fold it into the chain, until the replacement says the
-    replay is over. Returns the number of steps helped."""
+    replay is over. Returns the number of steps helped.
+
+    In a chain (the replay set has several members) the stage's inputs come live from the chain's helper of the
+    member before (``up``) and its output gradients from the one after (``down``); the rest from the member this
+    rank helps. GPipe order, as the members run: every forward, then every backward, in micro-batch order."""
     from torch.distributed.pipelining._backward import stage_backward
     from torch.distributed.pipelining._utils import flatten_args
     from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple
@@ -503,13 +566,13 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     from swiftrun.runtime.pipeline import _generators, _mix
 
     shipped = torch.load(io.BytesIO(setup["payload"].numpy().tobytes()), weights_only=False, map_location=device)
-    module, loss_fn = shipped["module"], shipped["loss_fn"]
+    loss_fn = shipped["loss_fn"]
     chain = setup["chain"]
     me = chain.index(rank)
     prev, nxt = chain[me - 1], chain[(me + 1) % len(chain)]
     index, first, last, seed = setup["index"], setup["first"], setup["last"], setup["seed"]
+    up, down = setup.get("up"), setup.get("down")
     generators = _generators(device)
-    params = list(module.parameters())
     steps = 0
     with collectives.internal(), torch.enable_grad():
         while True:
@@ -521,27 +584,40 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
             module = torch.load(io.BytesIO(work["module"].cpu().numpy().tobytes()), weights_only=False,
                                 map_location=device)
             params = list(module.parameters())
-            per_mb: list[list[torch.Tensor | None]] = []
-            losses, outputs = [], []
+            pending: list = []
+            graphs = []  # per micro-batch: (entry, output, inputs)
             for i in sorted(work["mbs"]):
                 entry = _to(work["mbs"][i], device)
-                for p in params:
-                    p.grad = None
-                if first:
+                if up is not None:
+                    sent = _recv(up, device)
+                    args = tuple(a.requires_grad_(rg) for a, rg in zip(sent["acts"], sent["requires_grad"]))
+                elif first:
                     args = tuple(entry["args"])
                 else:
                     args = tuple(a.requires_grad_(rg) for a, rg in zip(entry["args"], entry["requires_grad"]))
                 kwargs = entry["kwargs"] or {}
                 with seeded(generators, _mix(seed, work["step"], index, i)):
                     output = module(*args, **kwargs)
-                inputs = flatten_args(args) + flatten_args(kwargs)
+                if down is not None:
+                    outs = _normalize_model_output_as_tuple(output)
+                    pending += _send({"acts": outs, "requires_grad": [bool(o.requires_grad) for o in outs]}, down,
+                                     device)
+                graphs.append((entry, args, output, flatten_args(args) + flatten_args(kwargs)))
+            per_mb: list[list[torch.Tensor | None]] = []
+            losses, outputs = [], []
+            for entry, entry_args, output, inputs in graphs:
+                for p in params:
+                    p.grad = None
                 if last:
                     loss = loss_fn(output, entry["target"], **(work["loss_kwargs"] or {}))
-                    stage_backward(loss, None, inputs)
+                    grads_in = stage_backward(loss, None, inputs)
                     losses.append(loss.detach().cpu())
                     outputs.append(_cpu(output))
                 else:
-                    stage_backward(_normalize_model_output_as_tuple(output), entry["grads"], inputs)
+                    grads = _to(_recv(down, device)["grads"], device) if down is not None else entry["grads"]
+                    grads_in = stage_backward(_normalize_model_output_as_tuple(output), grads, inputs)
+                if up is not None:  # the gradients of the inputs the helper before sent (not of the kwargs)
+                    pending += _send({"grads": list(grads_in)[:len(flatten_args(entry_args))]}, up, device)
                 per_mb.append([p.grad for p in params])
             for p in params:
                 p.grad = None
@@ -549,6 +625,7 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
             grads = fold(_to(partial["grads"], device), per_mb)
             message = {"grads": _cpu(grads), "losses": partial["losses"] + losses,
                        "outputs": partial["outputs"] + outputs}
+            _wait(pending)
             _wait(_send(message, nxt, device))
             steps += 1
             log.debug("helped step %d (micro-batches %s) in %.3fs", work["step"], sorted(work["mbs"]),

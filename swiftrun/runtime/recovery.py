@@ -407,14 +407,23 @@ class Recovery:
         return plan
 
     def _parallel_replay(self, plan: PipePlan, phases: dict[str, float]) -> None:
-        """Idle survivors help the ranks that replay alone (runtime/pp_parallel.py), each its own share of them:
-        a replaying rank offers its helpers its stage; a helper that takes it computes its part of every replayed
-        step before it reports RECOVERED."""
+        """Idle survivors help the replaying ranks (runtime/pp_parallel.py), each set its own share of them: a
+        replaying rank offers its column of helpers its stage; a helper that takes it computes its part of every
+        replayed step before it reports RECOVERED."""
         pp = self.pipeline
         assert pp is not None
         assigned = pp_parallel.assign_helpers(plan, self.world_size)
         if self.rank in assigned:
-            pp.parallel = pp_parallel.offer(pp, assigned[self.rank])
+            replay = plan.replay_of(self.rank)
+            assert replay is not None
+            pp.parallel = pp_parallel.offer(pp, assigned[self.rank], assigned, replay.ranks)
+            return
+        replay = plan.replay_of(self.rank)
+        if replay is not None:
+            if len(replay.ranks) > 1 and set(replay.together or replay.ranks) == set(replay.ranks) \
+                    and pp_parallel.cap() != 0:
+                log.info("rank %d replays with ranks %s without helpers: fewer idle ranks than the %d members a "
+                         "chain needs", self.rank, [r for r in replay.ranks if r != self.rank], len(replay.ranks))
             return
         leader = next((lead for lead, helpers in assigned.items() if self.rank in helpers), None)
         if leader is None:
@@ -423,7 +432,7 @@ class Recovery:
         setup = pp_parallel.receive_offer(leader, self.group.device())
         if setup is not None:
             steps = pp_parallel.help_replay(self.rank, setup, self.group.device())
-            log.debug("helped rank %d replay %d step(s)", leader, steps)
+            log.info("rank %d helped rank %d replay %d step(s)", self.rank, leader, steps)
         phases["help"] = time.monotonic() - t
 
     def _pipeline_step_start(self, step: int) -> bool:

@@ -136,13 +136,15 @@ def test_two_stages_lost_at_once_each_replay_with_their_own_helpers(tmp_path, re
     ref = reference(script, world)
     stops = [arg for r in lost for arg in ("--fault", f"{r}:5:after-step:sigstop")]
     code, out, err = run_killing_together(launch(tmp_path, *stops, script=script, world=world), marker,
-                                          tmp_path / "events.jsonl", lost, timeout=250)
+                                          tmp_path / "events.jsonl", lost, timeout=250, SWIFTRUN_LOGLEVEL="info")
     assert code == 0, (out + err)[-3000:]
     ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
     assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")], ended
     replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
     assert sorted(replays) == [1, 4] and all(r["ranks"] == [rank] for rank, r in replays.items()), replays
     assert {rank: r["helpers"] for rank, r in replays.items()} == {1: [0, 2], 4: [3, 5]}, replays
+    for helper, leader in ((0, 1), (2, 1), (3, 4), (5, 4)):  # each helped both replayed steps (4 and 5)
+        assert f"rank {helper} helped rank {leader} replay 2 step(s)" in err, err[-3000:]
     survivors = survivor_pids(tmp_path, lost)
     assert sorted(survivors) == [0, 2, 3, 5] and all(len(p) == 1 for p in survivors.values()), survivors
     assert_same(tmp_path, ref, world)
@@ -285,12 +287,17 @@ def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, refere
     together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise."""
     ref = reference()
     proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", "2:6:forward:sigkill"), marker="pp-groups",
-               timeout=220)
+               timeout=220, SWIFTRUN_LOGLEVEL="info")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (plan,) = [r for r in records(tmp_path) if r["event"] == "log_plan"]
     assert plan["groups"] == [[0, 1], [2, 3]] and plan["logged"] == [1] and plan["peak_log_bytes"] <= 10 * 1024
-    replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
-    assert replays == {(2, 3)}, replays
+    replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
+    assert {tuple(r["ranks"]) for r in replays.values()} == {(2, 3)}, replays
+    # the idle ranks 0 and 1 form one chain running a copy of the group's two stages on half the micro-batches
+    assert {rank: r["helpers"] for rank, r in replays.items()} == {2: [0], 3: [1]}, replays
+    for helped in ("rank 0 helped rank 2 replay 2 step(s)", "rank 1 helped rank 3 replay 2 step(s)"):
+        assert helped in proc.stderr, proc.stderr[-3000:]
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, 2).values()), "a survivor was restarted"
     assert_same(tmp_path, ref)
 
 
