@@ -282,22 +282,52 @@ def test_every_replica_of_a_stage_and_one_replica_of_its_neighbour_restart_every
 
 
 @pytest.mark.timeout(240)
-def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference):
+@pytest.mark.parametrize("fault, script, columns", [
+    ("2:6:forward:sigkill", (), {2: [0], 3: [1]}),
+    # the first group, in backward, under GPipe with a cross-stage grad-norm all-reduce: the chain's first helper
+    # takes the script's micro-batches, its last the logged gradients of stage 2
+    pytest.param("0:5:backward:sigkill", ("--schedule", "gpipe", "--clip", "0.5"), {0: [2], 1: [3]},
+                 marks=pytest.mark.extended),
+])
+def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference, fault, script, columns):
     """A 10 KiB budget logs one boundary of three: groups [0,1] [2,3]. Killing rank 2 replays ranks 2 and 3
-    together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise."""
-    ref = reference()
-    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", "2:6:forward:sigkill"), marker="pp-groups",
+    together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise. The two idle ranks form one
+    chain, a copy of the group's two stages computing half of every replayed step's micro-batches, activations and
+    gradients flowing live between them; each member folds its column's gradients in micro-batch order."""
+    ref = reference(script)
+    lost = int(fault.split(":")[0])
+    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", fault, script=script), marker="pp-groups",
                timeout=220, SWIFTRUN_LOGLEVEL="info")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (plan,) = [r for r in records(tmp_path) if r["event"] == "log_plan"]
     assert plan["groups"] == [[0, 1], [2, 3]] and plan["logged"] == [1] and plan["peak_log_bytes"] <= 10 * 1024
     replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
-    assert {tuple(r["ranks"]) for r in replays.values()} == {(2, 3)}, replays
-    # the idle ranks 0 and 1 form one chain running a copy of the group's two stages on half the micro-batches
-    assert {rank: r["helpers"] for rank, r in replays.items()} == {2: [0], 3: [1]}, replays
-    for helped in ("rank 0 helped rank 2 replay 2 step(s)", "rank 1 helped rank 3 replay 2 step(s)"):
-        assert helped in proc.stderr, proc.stderr[-3000:]
-    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, 2).values()), "a survivor was restarted"
+    assert {tuple(r["ranks"]) for r in replays.values()} == {tuple(columns)}, replays
+    assert {rank: r["helpers"] for rank, r in replays.items()} == columns, replays
+    for member, (helper,) in columns.items():
+        steps = replays[member]["last"] - replays[member]["first"] + 1
+        assert f"rank {helper} helped rank {member} replay {steps} step(s)" in proc.stderr, proc.stderr[-3000:]
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, lost).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.extended  # the agreement between members; the single-rank side-effect check is in tests/unit
+@pytest.mark.timeout(240)
+def test_a_logging_group_replays_alone_when_one_members_forward_has_side_effects(tmp_path, reference):
+    """Groups [0,1] [2,3], rank 2 killed; stage 3's module counts its forwards (a side effect that changes no
+    result). Rank 3 sees it at the first replayed forward and tells rank 2: both release their helpers (a chain
+    needs every column) and the group replays alone, bitwise."""
+    ref = reference()  # the counter changes nothing the model computes
+    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", "2:6:forward:sigkill",
+                      script=("--count-forwards", "3")), marker="pp-groups-side", timeout=220,
+               SWIFTRUN_LOGLEVEL="info")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 replays its stage without helpers: its forward changes .forwards" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "rank 2 replays its stage without helpers: rank 3: its forward changes .forwards" in proc.stderr, \
+        proc.stderr[-3000:]
+    for helper, member in ((0, 2), (1, 3)):
+        assert f"rank {helper} helped rank {member} replay 0 step(s)" in proc.stderr, proc.stderr[-3000:]
     assert_same(tmp_path, ref)
 
 
