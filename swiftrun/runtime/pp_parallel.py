@@ -1,4 +1,4 @@
-"""Parallel replay: idle survivors help the replacement of a lost pipeline stage replay its steps.
+"""Parallel replay: idle survivors help the replacement of a lost pipeline stage (or a logging group) replay its steps.
 
 A lost stage is replayed from its checkpoint by its replacement while every other survivor waits for RESUME. With
 helpers, each replayed step's micro-batches are split into contiguous ranges: the replacement computes the first,
@@ -9,14 +9,21 @@ have made (``grad += new``, in the same order), so the result is bitwise the rep
 partial sums is not: ../shared/design/PIPELINE.md, fact 5). The replacement then runs the schedule's gradient
 scaling and the script's optimizer step as usual, and sends the new parameters with the next step's work.
 
-Who helps: the valid ranks that neither replay nor receive a replica's copy, shared out among the replay sets of
-one rank each (two stages lost at once, not adjacent: two sets, each replacement leading its own helpers), the
-same assignment on every rank, from the plan (:func:`assign_helpers`). ``SWIFTRUN_PARALLEL_REPLAY``
-(``--parallel-replay N``) caps each set's share; 0 turns parallel replay off. A set of several ranks (a logging
-group) and replicas replaying in lockstep replay alone. Right after the hand-over the replacement sends every candidate
-an offer: the stage module and loss function (pickled: the helpers run the same script, so the classes resolve),
-or ``None`` when its stage cannot be split (not a GPipe or 1F1B schedule of one stage, a DDP/FSDP-wrapped or
-``dw_builder`` stage, something that does not pickle); then it replays alone, said in a log line.
+Who helps: the valid ranks that neither replay nor receive a replica's copy, shared out among the replay sets in
+contiguous shares, the same assignment on every rank, from the plan (:func:`assign_helpers`);
+``SWIFTRUN_PARALLEL_REPLAY`` (``--parallel-replay N``) caps each set's share, 0 turns parallel replay off. Replicas
+replaying in lockstep replay alone. A set of one rank (two stages lost at once, not adjacent: two such sets) leads
+its share as one chain. A set of k ranks (a logging group, adjacent stages lost together) takes it in *chains* of k
+helpers, each chain a full copy of the set's segment computing its own range: helper ``H[c][j]`` runs member j's
+stage, activations flow ``H[c][j] -> H[c][j+1]`` and input gradients back, live; member j leads *column* j (its
+helper in every chain: the module, and what only it can give: inputs from the logs or the script when they come
+from outside the set, logged output gradients or targets when its outputs leave it) and folds that column's
+gradients as above. The members compute the first range among themselves, live, in GPipe order, issuing the
+operations the wrapped factories return for traffic inside the set. Right after the hand-over each replaying rank
+sends each helper of its column an offer: the stage module and loss function (pickled: the helpers run the same
+script, so the classes resolve), or ``None`` when its stage, or another member's, cannot be split (not a GPipe or
+1F1B schedule of one stage, a DDP/FSDP-wrapped or ``dw_builder`` stage, something that does not pickle: the members
+exchange their reasons first, so every column gets work or none); then the set replays alone, said in a log line.
 
 A helper computes its range from the step's start, so the stage must be a function of its parameters, inputs and
 the seeded generators. Two things break that and are handled: what the script changes between steps (a step
@@ -24,12 +31,13 @@ counter a module reads) travels, since each step's work carries the pickled modu
 dict; what a *forward* changes (a buffer such as BatchNorm's running statistics, a call counter, a generator of
 the module's own) would make helper k start from the step's start instead of from where micro-batch k-1 left it.
 The replacement checks its first micro-batch's forward for such a change (:func:`side_state`) before it hands out
-any work; on one it releases the helpers and replays alone (said in a log line): slower, never a wrong model.
+any work (every member of a set checks its own and they exchange verdicts); on one it releases the helpers and
+replays alone (said in a log line): slower, never a wrong model.
 
 The replacement's schedule keeps its public behaviour: ``_step_microbatches`` (what ``step()`` calls with the
 split micro-batches) is replaced on that instance for the replay only; losses and last-stage outputs of the
-helpers' micro-batches are handed back so ``step(losses=...)`` and the merged output are complete. All traffic
-uses the current generation's default group with tags of its own.
+helpers' micro-batches are handed back so ``step(losses=...)`` and the merged output are complete. Messages:
+runtime/pp_wire.py (the current generation's default group, tags of their own).
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.runtime import collectives, faults
-from swiftrun.runtime.pp_handover import from_bytes, to_bytes
+from swiftrun.runtime import pp_wire as wire
+from swiftrun.runtime.pp_handover import to_bytes
 
 if TYPE_CHECKING:
     from swiftrun.runtime.pipeline import Pipeline
@@ -53,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swiftrun.runtime")
 
-_TAG_SIZE, _TAG_DATA = 0x5719, 0x571A  # apart from the schedule's traffic (0) and the hand-over's (0x5717/8)
 ENV = "SWIFTRUN_PARALLEL_REPLAY"
 
 
@@ -114,119 +122,6 @@ def fold(partial: list[torch.Tensor | None], grads: list[list[torch.Tensor | Non
             else:
                 partial[j].add_(g)
     return partial
-
-
-# ---------------------------------------------------------------------- transport
-
-
-def _tags(device: torch.device, tag: int) -> dict:
-    return {} if device.type == "cuda" else {"tag": tag}
-
-
-class _Slot:
-    """Where a tensor sent after a message's header goes back (tensors travel raw, not pickled)."""
-
-    __slots__ = ("index", "shape", "dtype")
-
-    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-    def __getstate__(self) -> tuple:
-        return self.index, self.shape, self.dtype
-
-    def __setstate__(self, state: tuple) -> None:
-        self.index, self.shape, self.dtype = state
-
-
-def _lift(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with every tensor replaced by a slot; the tensors (contiguous, detached) appended in order."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().contiguous())
-        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_lift(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _lift(v, tensors) for k, v in value.items()}
-    return value
-
-
-def _slots(value: Any, out: list[_Slot]) -> list[_Slot]:
-    if isinstance(value, _Slot):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _slots(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _slots(v, out)
-    return out
-
-
-def _drop(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, _Slot):
-        return tensors[value.index]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_drop(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _drop(v, tensors) for k, v in value.items()}
-    return value
-
-
-def _send(obj: Any, to: int, device: torch.device) -> list:
-    """Start sending ``obj``: a small pickled header, then its tensors as they are (no serialisation, no copy on
-    the host). Returns what to wait for (and to keep alive until then)."""
-    tensors: list[torch.Tensor] = []
-    header = to_bytes(_lift(obj, tensors)).to(device)
-    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-    pending: list = [header, size, dist.isend(size, to, **_tags(device, _TAG_SIZE)),
-                     dist.isend(header, to, **_tags(device, _TAG_DATA))]
-    for t in tensors:
-        if t.numel():
-            t = t.to(device)
-            pending += [t, dist.isend(t, to, **_tags(device, _TAG_DATA))]
-    return pending
-
-
-def _wait(pending: list) -> None:
-    for item in pending:
-        if isinstance(item, dist.Work):
-            item.wait()
-
-
-def _recv(frm: int, device: torch.device) -> Any:
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, frm, **_tags(device, _TAG_SIZE))
-    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(header, frm, **_tags(device, _TAG_DATA))
-    lifted = from_bytes(header)
-    tensors: dict[int, torch.Tensor] = {}
-    for slot in sorted(_slots(lifted, []), key=lambda s: s.index):
-        t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        if t.numel():
-            dist.recv(t, frm, **_tags(device, _TAG_DATA))
-        tensors[slot.index] = t
-    return _drop(lifted, tensors)
-
-
-def _cpu(value: Any) -> Any:
-    """Detached host copies of the tensors in a nested structure (what goes into a message)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
 
 
 @contextlib.contextmanager
@@ -330,9 +225,9 @@ def _agree(why: str | None, others: list[int], device: torch.device) -> str | No
     with collectives.internal():
         pending: list = []
         for other in others:
-            pending += _send(why, other, device)
-        theirs = {other: _recv(other, device) for other in others}
-        _wait(pending)
+            pending += wire.send(why, other, device)
+        theirs = {other: wire.recv(other, device) for other in others}
+        wire.wait(pending)
     return why or next((f"rank {other}: {reason}" for other, reason in theirs.items() if reason), None)
 
 
@@ -371,8 +266,8 @@ def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, 
     pending = []
     with collectives.internal():
         for helper, setup in zip(column, setups):
-            pending += _send(setup, helper, device)
-        _wait(pending)
+            pending += wire.send(setup, helper, device)
+        wire.wait(pending)
     if why is not None:
         log.info("rank %d replays its stage%s without helpers: %s", me, " with its set" if others else "", why)
         return None
@@ -413,8 +308,8 @@ class Leader:
         with collectives.internal():
             pending = []
             for helper in self.helpers:
-                pending += _send(None, helper, self.device)
-            _wait(pending)
+                pending += wire.send(None, helper, self.device)
+            wire.wait(pending)
 
     def _work(self, lo: int, hi: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
               loss_kwargs: dict | None) -> dict:
@@ -425,20 +320,20 @@ class Leader:
         stage = self.stage
         mbs: dict[int, dict] = {}
         for i in range(lo, hi):
-            entry: dict[str, Any] = {"kwargs": _cpu(kwarg_mbs[i] or {})}
+            entry: dict[str, Any] = {"kwargs": wire.cpu(kwarg_mbs[i] or {})}
             if stage.is_first:
-                entry["args"] = _cpu(tuple(arg_mbs[i]))
+                entry["args"] = wire.cpu(tuple(arg_mbs[i]))
                 entry["requires_grad"] = None
             elif not self.live_in:
                 stage.get_fwd_recv_ops(i)  # served from the logs: no operation
                 acts = stage._retrieve_recv_activations(i)
-                entry["args"] = _cpu(tuple(acts))
+                entry["args"] = wire.cpu(tuple(acts))
                 entry["requires_grad"] = [bool(a.requires_grad) for a in acts]
             if stage.is_last:
-                entry["target"] = _cpu(target_mbs[i]) if target_mbs is not None else None
+                entry["target"] = wire.cpu(target_mbs[i]) if target_mbs is not None else None
             elif not self.live_out:
                 stage.get_bwd_recv_ops(i)
-                entry["grads"] = _cpu(tuple(stage._retrieve_recv_grads(i)))
+                entry["grads"] = wire.cpu(tuple(stage._retrieve_recv_grads(i)))
             mbs[i] = entry
         # the module itself, not only its state dict: what the script changed on it since (a step counter a
         # forward reads) must be what the helper's copy sees
@@ -521,7 +416,7 @@ class Leader:
         with collectives.internal():
             pending = []
             for helper, (h_lo, h_hi) in zip(self.helpers, self.parts[1:]):
-                pending += _send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
+                pending += wire.send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
                                  self.device)
         for i in range(done, hi):  # this rank's range (with the set's other members, live)
             self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
@@ -530,16 +425,16 @@ class Leader:
         self._end_sends()
         params = list(stage.submod.parameters())
         with collectives.internal():
-            _wait(pending)
-            _wait(_send({"grads": [p.grad for p in params], "losses": [], "outputs": []}, self.helpers[0],
+            wire.wait(pending)
+            wire.wait(wire.send({"grads": [p.grad for p in params], "losses": [], "outputs": []}, self.helpers[0],
                         self.device))
-            total = _recv(self.helpers[-1], self.device)
+            total = wire.recv(self.helpers[-1], self.device)
         for p, g in zip(params, total["grads"]):
             p.grad = None if g is None else g.to(p.device)
         if stage.is_last:
-            schedule._internal_losses.extend(_to(total["losses"], self.device))
+            schedule._internal_losses.extend(wire.to(total["losses"], self.device))
             if return_outputs:
-                stage.output_chunks.extend(_to(total["outputs"], self.device))
+                stage.output_chunks.extend(wire.to(total["outputs"], self.device))
         schedule._update_losses(stage, losses)
         stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
 
@@ -549,7 +444,7 @@ class Leader:
 
 def receive_offer(leader: int, device: torch.device) -> dict | None:
     with collectives.internal():
-        return _recv(leader, device)
+        return wire.recv(leader, device)
 
 
 def help_replay(rank: int, setup: dict, device: torch.device) -> int:
@@ -576,7 +471,7 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     steps = 0
     with collectives.internal(), torch.enable_grad():
         while True:
-            work = _recv(chain[0], device)
+            work = wire.recv(chain[0], device)
             if work is None:
                 return steps
             faults.fire("help", work["step"])
@@ -585,11 +480,11 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
                                 map_location=device)
             params = list(module.parameters())
             pending: list = []
-            graphs = []  # per micro-batch: (entry, output, inputs)
+            graphs = []  # per micro-batch: (entry, its positional inputs, output, every input)
             for i in sorted(work["mbs"]):
-                entry = _to(work["mbs"][i], device)
+                entry = wire.to(work["mbs"][i], device)
                 if up is not None:
-                    sent = _recv(up, device)
+                    sent = wire.recv(up, device)
                     args = tuple(a.requires_grad_(rg) for a, rg in zip(sent["acts"], sent["requires_grad"]))
                 elif first:
                     args = tuple(entry["args"])
@@ -600,7 +495,7 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
                     output = module(*args, **kwargs)
                 if down is not None:
                     outs = _normalize_model_output_as_tuple(output)
-                    pending += _send({"acts": outs, "requires_grad": [bool(o.requires_grad) for o in outs]}, down,
+                    pending += wire.send({"acts": outs, "requires_grad": [bool(o.requires_grad) for o in outs]}, down,
                                      device)
                 graphs.append((entry, args, output, flatten_args(args) + flatten_args(kwargs)))
             per_mb: list[list[torch.Tensor | None]] = []
@@ -612,21 +507,21 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
                     loss = loss_fn(output, entry["target"], **(work["loss_kwargs"] or {}))
                     grads_in = stage_backward(loss, None, inputs)
                     losses.append(loss.detach().cpu())
-                    outputs.append(_cpu(output))
+                    outputs.append(wire.cpu(output))
                 else:
-                    grads = _to(_recv(down, device)["grads"], device) if down is not None else entry["grads"]
+                    grads = wire.to(wire.recv(down, device)["grads"], device) if down is not None else entry["grads"]
                     grads_in = stage_backward(_normalize_model_output_as_tuple(output), grads, inputs)
                 if up is not None:  # the gradients of the inputs the helper before sent (not of the kwargs)
-                    pending += _send({"grads": list(grads_in)[:len(flatten_args(entry_args))]}, up, device)
+                    pending += wire.send({"grads": list(grads_in)[:len(flatten_args(entry_args))]}, up, device)
                 per_mb.append([p.grad for p in params])
             for p in params:
                 p.grad = None
-            partial = _recv(prev, device)
-            grads = fold(_to(partial["grads"], device), per_mb)
-            message = {"grads": _cpu(grads), "losses": partial["losses"] + losses,
+            partial = wire.recv(prev, device)
+            grads = fold(wire.to(partial["grads"], device), per_mb)
+            message = {"grads": wire.cpu(grads), "losses": partial["losses"] + losses,
                        "outputs": partial["outputs"] + outputs}
-            _wait(pending)
-            _wait(_send(message, nxt, device))
+            wire.wait(pending)
+            wire.wait(wire.send(message, nxt, device))
             steps += 1
             log.debug("helped step %d (micro-batches %s) in %.3fs", work["step"], sorted(work["mbs"]),
                       time.perf_counter() - started)
