@@ -282,33 +282,40 @@ def test_every_replica_of_a_stage_and_one_replica_of_its_neighbour_restart_every
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault, script, columns", [
-    ("2:6:forward:sigkill", (), {2: [0], 3: [1]}),
+@pytest.mark.parametrize("world, budget, fault, script, groups, columns", [
+    (4, 10, "2:6:forward:sigkill", (), [[0, 1], [2, 3]], {2: [0], 3: [1]}),
     # the first group, in backward, under GPipe with a cross-stage grad-norm all-reduce: the chain's first helper
     # takes the script's micro-batches, its last the logged gradients of stage 2
-    pytest.param("0:5:backward:sigkill", ("--schedule", "gpipe", "--clip", "0.5"), {0: [2], 1: [3]},
-                 marks=pytest.mark.extended),
+    pytest.param(4, 10, "0:5:backward:sigkill", ("--schedule", "gpipe", "--clip", "0.5"), [[0, 1], [2, 3]],
+                 {0: [2], 1: [3]}, marks=pytest.mark.extended),
+    # 6 stages in three groups: the four idle ranks make two chains, (0, 1) and (4, 5); 8 micro-batches in three
+    # ranges, each column's fold passing through both chains (rank 2 -> 0 -> 4 -> 2)
+    pytest.param(6, 20, "2:6:forward:sigkill", ("--microbatches", "8"), [[0, 1], [2, 3], [4, 5]],
+                 {2: [0, 4], 3: [1, 5]}, marks=pytest.mark.extended),
 ])
-def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference, fault, script, columns):
+def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference, world, budget, fault, script,
+                                                                 groups, columns):
     """A 10 KiB budget logs one boundary of three: groups [0,1] [2,3]. Killing rank 2 replays ranks 2 and 3
     together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise. The two idle ranks form one
     chain, a copy of the group's two stages computing half of every replayed step's micro-batches, activations and
-    gradients flowing live between them; each member folds its column's gradients in micro-batch order."""
-    ref = reference(script)
+    gradients flowing live between them; each member folds its column's gradients in micro-batch order. Each
+    helper must have helped every replayed step (its log line), the survivors keep their processes."""
+    ref = reference(script, world)
     lost = int(fault.split(":")[0])
-    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", fault, script=script), marker="pp-groups",
-               timeout=220, SWIFTRUN_LOGLEVEL="info")
+    proc = run(launch(tmp_path, "--log-budget", f"{budget}KiB", "--fault", fault, script=script, world=world),
+               marker="pp-groups", timeout=220, SWIFTRUN_LOGLEVEL="info")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (plan,) = [r for r in records(tmp_path) if r["event"] == "log_plan"]
-    assert plan["groups"] == [[0, 1], [2, 3]] and plan["logged"] == [1] and plan["peak_log_bytes"] <= 10 * 1024
+    assert plan["groups"] == groups and plan["peak_log_bytes"] <= budget * 1024, plan
     replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
     assert {tuple(r["ranks"]) for r in replays.values()} == {tuple(columns)}, replays
     assert {rank: r["helpers"] for rank, r in replays.items()} == columns, replays
-    for member, (helper,) in columns.items():
+    for member, column in columns.items():
         steps = replays[member]["last"] - replays[member]["first"] + 1
-        assert f"rank {helper} helped rank {member} replay {steps} step(s)" in proc.stderr, proc.stderr[-3000:]
+        for helper in column:
+            assert f"rank {helper} helped rank {member} replay {steps} step(s)" in proc.stderr, proc.stderr[-3000:]
     assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, lost).values()), "a survivor was restarted"
-    assert_same(tmp_path, ref)
+    assert_same(tmp_path, ref, world)
 
 
 @pytest.mark.extended  # the agreement between members; the single-rank side-effect check is in tests/unit
