@@ -318,6 +318,26 @@ def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, refere
     assert_same(tmp_path, ref, world)
 
 
+@pytest.mark.extended  # the abort releasing blocked ranks is in the default suite (test_a_helper_lost_during_...)
+@pytest.mark.timeout(300)
+def test_a_chain_helper_lost_during_a_logging_groups_replay(tmp_path, reference):
+    """Groups [0,1] [2,3], rank 2 killed; rank 1, running stage 3's copy in the chain, dies while helping step 5.
+    The ranks blocked in the chain's traffic are released by the abort; now both groups must replay (rank 1's
+    group, and rank 2's, which needs rank 1's logs): all four ranks together from --stage-ckpt-dir, with no idle
+    rank left for a chain (said in a log line), and the run ends bitwise equal."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--stage-ckpt-dir", str(tmp_path / "ckpt"),
+                      "--fault", "2:6:forward:sigkill", "--fault", "1:5:help:sigkill"), marker="pp-chain-help",
+               timeout=280, SWIFTRUN_LOGLEVEL="info")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 replays its stage with helpers [1]" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 replays with ranks [1, 2, 3] without helpers: fewer idle ranks" in proc.stderr, \
+        proc.stderr[-3000:]
+    replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
+    assert {(2, 3), (0, 1, 2, 3)} <= replays, replays
+    assert_same(tmp_path, ref)
+
+
 @pytest.mark.extended  # the agreement between members; the single-rank side-effect check is in tests/unit
 @pytest.mark.timeout(240)
 def test_a_logging_group_replays_alone_when_one_members_forward_has_side_effects(tmp_path, reference):
