@@ -454,7 +454,6 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     In a chain (the replay set has several members) the stage's inputs come live from the chain's helper of the
     member before (``up``) and its output gradients from the one after (``down``); the rest from the member this
     rank helps. GPipe order, as the members run: every forward, then every backward, in micro-batch order."""
-    from torch.distributed.pipelining._backward import stage_backward
     from torch.distributed.pipelining._utils import flatten_args
     from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple
 
@@ -465,7 +464,7 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     chain = setup["chain"]
     me = chain.index(rank)
     prev, nxt = chain[me - 1], chain[(me + 1) % len(chain)]
-    index, first, last, seed = setup["index"], setup["first"], setup["last"], setup["seed"]
+    index, first, seed = setup["index"], setup["first"], setup["seed"]
     up, down = setup.get("up"), setup.get("down")
     generators = _generators(device)
     steps = 0
@@ -478,9 +477,8 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
             started = time.perf_counter()
             module = torch.load(io.BytesIO(work["module"].cpu().numpy().tobytes()), weights_only=False,
                                 map_location=device)
-            params = list(module.parameters())
-            pending: list = []
-            graphs = []  # per micro-batch: (entry, its positional inputs, output, every input)
+            bwd = _HelperStep(list(module.parameters()), work, setup, loss_fn, device)
+            graphs = []  # in a chain: every forward first, then every backward (GPipe order, as the members)
             for i in sorted(work["mbs"]):
                 entry = wire.to(work["mbs"][i], device)
                 if up is not None:
@@ -495,33 +493,56 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
                     output = module(*args, **kwargs)
                 if down is not None:
                     outs = _normalize_model_output_as_tuple(output)
-                    pending += wire.send({"acts": outs, "requires_grad": [bool(o.requires_grad) for o in outs]}, down,
-                                     device)
-                graphs.append((entry, args, output, flatten_args(args) + flatten_args(kwargs)))
-            per_mb: list[list[torch.Tensor | None]] = []
-            losses, outputs = [], []
-            for entry, entry_args, output, inputs in graphs:
-                for p in params:
-                    p.grad = None
-                if last:
-                    loss = loss_fn(output, entry["target"], **(work["loss_kwargs"] or {}))
-                    grads_in = stage_backward(loss, None, inputs)
-                    losses.append(loss.detach().cpu())
-                    outputs.append(wire.cpu(output))
+                    bwd.pending += wire.send({"acts": outs, "requires_grad": [bool(o.requires_grad) for o in outs]},
+                                             down, device)
+                graph = (entry, args, output, flatten_args(args) + flatten_args(kwargs))
+                if up is None and down is None:
+                    bwd.backward(*graph)  # alone in its chain: one micro-batch's graph alive at a time
                 else:
-                    grads = wire.to(wire.recv(down, device)["grads"], device) if down is not None else entry["grads"]
-                    grads_in = stage_backward(_normalize_model_output_as_tuple(output), grads, inputs)
-                if up is not None:  # the gradients of the inputs the helper before sent (not of the kwargs)
-                    pending += wire.send({"grads": list(grads_in)[:len(flatten_args(entry_args))]}, up, device)
-                per_mb.append([p.grad for p in params])
-            for p in params:
+                    graphs.append(graph)
+            for graph in graphs:
+                bwd.backward(*graph)
+            for p in bwd.params:
                 p.grad = None
             partial = wire.recv(prev, device)
-            grads = fold(wire.to(partial["grads"], device), per_mb)
-            message = {"grads": wire.cpu(grads), "losses": partial["losses"] + losses,
-                       "outputs": partial["outputs"] + outputs}
-            wire.wait(pending)
+            grads = fold(wire.to(partial["grads"], device), bwd.per_mb)
+            message = {"grads": wire.cpu(grads), "losses": partial["losses"] + bwd.losses,
+                       "outputs": partial["outputs"] + bwd.outputs}
+            wire.wait(bwd.pending)
             wire.wait(wire.send(message, nxt, device))
             steps += 1
             log.debug("helped step %d (micro-batches %s) in %.3fs", work["step"], sorted(work["mbs"]),
                       time.perf_counter() - started)
+
+
+class _HelperStep:
+    """A helper's backward passes of one replayed step: each micro-batch's from ``.grad = None`` (its parameter
+    gradients kept apart for the fold), the gradients of its inputs sent to the chain's helper before."""
+
+    def __init__(self, params: list, work: dict, setup: dict, loss_fn: Any, device: torch.device) -> None:
+        self.params, self.work, self.loss_fn, self.device = params, work, loss_fn, device
+        self.last, self.up, self.down = setup["last"], setup.get("up"), setup.get("down")
+        self.pending: list = []  # sends to wait for before the step's fold goes on
+        self.per_mb: list[list[torch.Tensor | None]] = []
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list = []
+
+    def backward(self, entry: dict, args: tuple, output: Any, inputs: list) -> None:
+        from torch.distributed.pipelining._backward import stage_backward
+        from torch.distributed.pipelining._utils import flatten_args
+        from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple
+
+        for p in self.params:
+            p.grad = None
+        if self.last:
+            loss = self.loss_fn(output, entry["target"], **(self.work["loss_kwargs"] or {}))
+            grads_in = stage_backward(loss, None, inputs)
+            self.losses.append(loss.detach().cpu())
+            self.outputs.append(wire.cpu(output))
+        else:
+            grads = (wire.to(wire.recv(self.down, self.device)["grads"], self.device) if self.down is not None
+                     else entry["grads"])
+            grads_in = stage_backward(_normalize_model_output_as_tuple(output), grads, inputs)
+        if self.up is not None:  # the gradients of the inputs the helper before sent (not of the kwargs)
+            self.pending += wire.send({"grads": list(grads_in)[:len(flatten_args(args))]}, self.up, self.device)
+        self.per_mb.append([p.grad for p in self.params])
