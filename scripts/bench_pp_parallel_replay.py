@@ -10,6 +10,8 @@ run (bitwise). Caps are interleaved per repetition; the CPU other processes used
 
     python scripts/bench_pp_parallel_replay.py                       # hidden 1024, 6 replayed steps, caps 0,1,3
     python scripts/bench_pp_parallel_replay.py --quick               # smoke test
+    python scripts/bench_pp_parallel_replay.py --hidden 512 --batch 1024 --ckpt-every 6 --replayed 4 \
+        --log-budget 30MiB --caps 0,2   # groups [0,1] [2,3]: ranks 2 and 3 replay, alone or with one chain
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replayed", type=int, default=6, help="steps the replacement replays (< --ckpt-every)")
     p.add_argument("--fail-rank", type=int, default=2)
     p.add_argument("--caps", default="0,1,3")
+    p.add_argument("--log-budget", default=None,
+                   help="selective logging (e.g. one logged boundary: groups [0,1] [2,3]); the lost rank's "
+                        "logging group replays together, helped by chains of idle ranks")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
@@ -53,6 +58,8 @@ def launch(save: Path, args: argparse.Namespace, steps: int, *extra: str) -> flo
            str(SCRIPT), "--steps", str(steps), "--save-dir", str(save), "--hidden", str(args.hidden),
            "--batch", str(args.batch), "--microbatches", str(args.microbatches), "--schedule", args.schedule,
            "--ckpt-every", str(args.ckpt_every)]
+    if args.log_budget:
+        cmd[cmd.index(str(SCRIPT)):cmd.index(str(SCRIPT))] = ["--log-budget", args.log_budget]
     env = B.repo_env()
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank, the replacement included, one intra-op thread
     started, busy, ours = time.monotonic(), B.cpu_busy_seconds(), B.children_cpu_seconds() + B.self_cpu_seconds()
@@ -63,11 +70,13 @@ def launch(save: Path, args: argparse.Namespace, steps: int, *extra: str) -> flo
     return max(0.0, B.cpu_busy_seconds() - busy - mine) / (time.monotonic() - started)
 
 
-def replay_seconds(save: Path) -> tuple[float, list[int]]:
+def replay_seconds(save: Path) -> tuple[float, dict[int, list[int]], list[list[int]]]:
+    """The replay phase, each replaying rank's helpers, and the logging groups chosen."""
     events = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines() if line.strip()]
     (phase,) = [e for e in events if e["event"] == "recovery_phase" and e["phase"] == "replay"]
-    (replay,) = [e for e in events if e["event"] == "replay"]
-    return float(phase["duration"]), list(replay.get("helpers", []))
+    helpers = {e["rank"]: list(e.get("helpers", [])) for e in events if e["event"] == "replay"}
+    groups = next((e["groups"] for e in events if e["event"] == "log_plan"), [])
+    return float(phase["duration"]), helpers, groups
 
 
 def main() -> None:
@@ -94,11 +103,11 @@ def main() -> None:
                 save.mkdir()
                 other = launch(save, args, steps, "--parallel-replay", str(cap), "--fault",
                                f"{args.fail_rank}:{fail_step}:forward:sigkill")
-                seconds, helpers = replay_seconds(save)
+                seconds, helpers, groups = replay_seconds(save)
                 exact = B.same_rank_files(save, ref)
                 results[cap].append(seconds)
-                print(f"  rep {rep} cap {cap}: helpers {helpers}, replay {seconds:.3f} s, bitwise {exact}, "
-                      f"other processes' CPU {other:.2f} cores", flush=True)
+                print(f"  rep {rep} cap {cap}: groups {groups}, helpers {helpers}, replay {seconds:.3f} s, "
+                      f"bitwise {exact}, other processes' CPU {other:.2f} cores", flush=True)
                 if not exact:
                     raise SystemExit("a recovered run differs from the failure-free run")
     base = statistics.median(results[caps[0]])

@@ -593,8 +593,9 @@ def launch(
     parallel_replay: Annotated[
         int | None,
         _own("--parallel-replay", panel=SWIFT, metavar="N",
-             help="Pipelines: at most N idle survivors help replay a lost stage, each taking a contiguous range of "
-                  "its micro-batches (bitwise the same result; default: every idle survivor; 0: replay alone)."),
+             help="Pipelines: at most N idle survivors help replay each lost stage or logging group (in chains "
+                  "of one helper per stage), each taking a contiguous range of its micro-batches (bitwise the same "
+                  "result; default: every idle survivor; 0: replay alone)."),
     ] = None,
     stage_ckpt_dir: Annotated[
         Path | None,

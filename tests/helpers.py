@@ -150,11 +150,11 @@ def kill_together_once_stopped(events: Path, ranks: tuple[int, ...], timeout: fl
 
 
 def run_killing_together(cmd: list[str], marker: str, events: Path, ranks: tuple[int, ...], timeout: float = 200,
-                         then: Callable[[], None] | None = None) -> tuple[int, str, str]:
+                         then: Callable[[], None] | None = None, **env: str) -> tuple[int, str, str]:
     """Start the launcher, SIGKILL ``ranks`` at the same instant once each stopped at its ``sigstop`` fault
     (``kill_together_once_stopped``), run ``then`` (a further fault from outside) if given, and wait for the end:
     ``(returncode, stdout, stderr)``. The launcher is killed if anything in between fails, so nothing leaks."""
-    proc = start(cmd, marker)
+    proc = start(cmd, marker, **env)
     try:
         kill_together_once_stopped(events, ranks, timeout=150)
         if then is not None:

@@ -1,4 +1,4 @@
-"""Parallel replay: idle survivors help the replacement of a lost pipeline stage replay its steps.
+"""Parallel replay: idle survivors help the replacement of a lost pipeline stage (or a logging group) replay its steps.
 
 A lost stage is replayed from its checkpoint by its replacement while every other survivor waits for RESUME. With
 helpers, each replayed step's micro-batches are split into contiguous ranges: the replacement computes the first,
@@ -9,12 +9,21 @@ have made (``grad += new``, in the same order), so the result is bitwise the rep
 partial sums is not: ../shared/design/PIPELINE.md, fact 5). The replacement then runs the schedule's gradient
 scaling and the script's optimizer step as usual, and sends the new parameters with the next step's work.
 
-Who helps: the valid ranks that neither replay nor receive a replica's copy, when the plan has one replay set of
-one rank (the same list on every rank, from the plan). ``SWIFTRUN_PARALLEL_REPLAY`` (``--parallel-replay N``)
-caps their number; 0 turns parallel replay off. Right after the hand-over the replacement sends every candidate
-an offer: the stage module and loss function (pickled: the helpers run the same script, so the classes resolve),
-or ``None`` when its stage cannot be split (not a GPipe or 1F1B schedule of one stage, a DDP/FSDP-wrapped or
-``dw_builder`` stage, something that does not pickle); then it replays alone, said in a log line.
+Who helps: the valid ranks that neither replay nor receive a replica's copy, shared out among the replay sets in
+contiguous shares, the same assignment on every rank, from the plan (:func:`assign_helpers`);
+``SWIFTRUN_PARALLEL_REPLAY`` (``--parallel-replay N``) caps each set's share, 0 turns parallel replay off. Replicas
+replaying in lockstep replay alone. A set of one rank (two stages lost at once, not adjacent: two such sets) leads
+its share as one chain. A set of k ranks (a logging group, adjacent stages lost together) takes it in *chains* of k
+helpers, each chain a full copy of the set's segment computing its own range: helper ``H[c][j]`` runs member j's
+stage, activations flow ``H[c][j] -> H[c][j+1]`` and input gradients back, live; member j leads *column* j (its
+helper in every chain: the module, and what only it can give: inputs from the logs or the script when they come
+from outside the set, logged output gradients or targets when its outputs leave it) and folds that column's
+gradients as above. The members compute the first range among themselves, live, in GPipe order, issuing the
+operations the wrapped factories return for traffic inside the set. Right after the hand-over each replaying rank
+sends each helper of its column an offer: the stage module and loss function (pickled: the helpers run the same
+script, so the classes resolve), or ``None`` when its stage, or another member's, cannot be split (not a GPipe or
+1F1B schedule of one stage, a DDP/FSDP-wrapped or ``dw_builder`` stage, something that does not pickle: the members
+exchange their reasons first, so every column gets work or none); then the set replays alone, said in a log line.
 
 A helper computes its range from the step's start, so the stage must be a function of its parameters, inputs and
 the seeded generators. Two things break that and are handled: what the script changes between steps (a step
@@ -22,12 +31,13 @@ counter a module reads) travels, since each step's work carries the pickled modu
 dict; what a *forward* changes (a buffer such as BatchNorm's running statistics, a call counter, a generator of
 the module's own) would make helper k start from the step's start instead of from where micro-batch k-1 left it.
 The replacement checks its first micro-batch's forward for such a change (:func:`side_state`) before it hands out
-any work; on one it releases the helpers and replays alone (said in a log line): slower, never a wrong model.
+any work (every member of a set checks its own and they exchange verdicts); on one it releases the helpers and
+replays alone (said in a log line): slower, never a wrong model.
 
 The replacement's schedule keeps its public behaviour: ``_step_microbatches`` (what ``step()`` calls with the
 split micro-batches) is replaced on that instance for the replay only; losses and last-stage outputs of the
-helpers' micro-batches are handed back so ``step(losses=...)`` and the merged output are complete. All traffic
-uses the current generation's default group with tags of its own.
+helpers' micro-batches are handed back so ``step(losses=...)`` and the merged output are complete. Messages:
+runtime/pp_wire.py (the current generation's default group, tags of their own).
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.runtime import collectives, faults
-from swiftrun.runtime.pp_handover import from_bytes, to_bytes
+from swiftrun.runtime import pp_wire as wire
+from swiftrun.runtime.pp_handover import to_bytes
 
 if TYPE_CHECKING:
     from swiftrun.runtime.pipeline import Pipeline
@@ -51,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swiftrun.runtime")
 
-_TAG_SIZE, _TAG_DATA = 0x5719, 0x571A  # apart from the schedule's traffic (0) and the hand-over's (0x5717/8)
 ENV = "SWIFTRUN_PARALLEL_REPLAY"
 
 
@@ -61,14 +71,31 @@ def cap() -> int:
     return int(value) if value else -1
 
 
-def helpers_of(plan: PipePlan, world_size: int, limit: int | None = None) -> tuple[int, ...]:
-    """The ranks that may help the plan's replay, in chain order; () when it is not one rank replaying alone."""
+def assign_helpers(plan: PipePlan, world_size: int, limit: int | None = None) -> dict[int, tuple[int, ...]]:
+    """Which idle survivors help which replaying rank: ``{replaying rank: its column}``, the column holding one
+    helper per chain, in chain order. A pure function of the plan: every rank computes the same assignment.
+
+    Idle: the valid ranks that neither replay nor receive a replica's copy. They are dealt out in contiguous
+    shares, as even as possible (the larger shares first), to the replay sets in plan order; ``limit``
+    (``--parallel-replay N``) caps each set's share: N helpers *per replay set*, since every set replays the same
+    steps at once and the recovery lasts as long as the slowest. A set of k ranks (a logging group) takes its share
+    in chains of k helpers, one per member (members in rank order): chain c is ``share[c*k:(c+1)*k]``, a full copy
+    of the set's segment; a share smaller than k gives no chain (absent: the set replays alone). Replicas replaying
+    in lockstep (a DDP-wrapped stage, never split) get no helper and are not idle."""
     limit = cap() if limit is None else limit
-    if limit == 0 or len(plan.replays) != 1 or len(plan.replays[0].ranks) != 1:
-        return ()
-    busy = set(plan.replays[0].ranks) | {t for _, targets in plan.copies for t in targets}
+    sets = [r.ranks for r in plan.replays if set(r.together or r.ranks) == set(r.ranks)]
+    if limit == 0 or not sets:
+        return {}
+    busy = {m for r in plan.replays for m in (*r.ranks, *r.together)} | {t for _, ts in plan.copies for t in ts}
     idle = [r for r in range(world_size) if r not in busy]
-    return tuple(idle if limit < 0 else idle[:limit])
+    out: dict[int, tuple[int, ...]] = {}
+    for ranks, (lo, hi) in zip(sets, ranges(len(idle), len(sets)) if idle else []):
+        share = idle[lo:hi] if limit < 0 else idle[lo:hi][:limit]
+        members, chains = sorted(ranks), len(share) // len(ranks)
+        for j, member in enumerate(members):
+            if chains:
+                out[member] = tuple(share[c * len(members) + j] for c in range(chains))
+    return out
 
 
 def ranges(n: int, parts: int) -> list[tuple[int, int]]:
@@ -95,119 +122,6 @@ def fold(partial: list[torch.Tensor | None], grads: list[list[torch.Tensor | Non
             else:
                 partial[j].add_(g)
     return partial
-
-
-# ---------------------------------------------------------------------- transport
-
-
-def _tags(device: torch.device, tag: int) -> dict:
-    return {} if device.type == "cuda" else {"tag": tag}
-
-
-class _Slot:
-    """Where a tensor sent after a message's header goes back (tensors travel raw, not pickled)."""
-
-    __slots__ = ("index", "shape", "dtype")
-
-    def __init__(self, index: int, shape: tuple, dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-    def __getstate__(self) -> tuple:
-        return self.index, self.shape, self.dtype
-
-    def __setstate__(self, state: tuple) -> None:
-        self.index, self.shape, self.dtype = state
-
-
-def _lift(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with every tensor replaced by a slot; the tensors (contiguous, detached) appended in order."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().contiguous())
-        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_lift(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _lift(v, tensors) for k, v in value.items()}
-    return value
-
-
-def _slots(value: Any, out: list[_Slot]) -> list[_Slot]:
-    if isinstance(value, _Slot):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _slots(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _slots(v, out)
-    return out
-
-
-def _drop(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, _Slot):
-        return tensors[value.index]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_drop(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _drop(v, tensors) for k, v in value.items()}
-    return value
-
-
-def _send(obj: Any, to: int, device: torch.device) -> list:
-    """Start sending ``obj``: a small pickled header, then its tensors as they are (no serialisation, no copy on
-    the host). Returns what to wait for (and to keep alive until then)."""
-    tensors: list[torch.Tensor] = []
-    header = to_bytes(_lift(obj, tensors)).to(device)
-    size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-    pending: list = [header, size, dist.isend(size, to, **_tags(device, _TAG_SIZE)),
-                     dist.isend(header, to, **_tags(device, _TAG_DATA))]
-    for t in tensors:
-        if t.numel():
-            t = t.to(device)
-            pending += [t, dist.isend(t, to, **_tags(device, _TAG_DATA))]
-    return pending
-
-
-def _wait(pending: list) -> None:
-    for item in pending:
-        if isinstance(item, dist.Work):
-            item.wait()
-
-
-def _recv(frm: int, device: torch.device) -> Any:
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, frm, **_tags(device, _TAG_SIZE))
-    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(header, frm, **_tags(device, _TAG_DATA))
-    lifted = from_bytes(header)
-    tensors: dict[int, torch.Tensor] = {}
-    for slot in sorted(_slots(lifted, []), key=lambda s: s.index):
-        t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        if t.numel():
-            dist.recv(t, frm, **_tags(device, _TAG_DATA))
-        tensors[slot.index] = t
-    return _drop(lifted, tensors)
-
-
-def _cpu(value: Any) -> Any:
-    """Detached host copies of the tensors in a nested structure (what goes into a message)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
 
 
 @contextlib.contextmanager
@@ -303,9 +217,27 @@ def _unsplittable(pp: Pipeline) -> str | None:
     return None
 
 
-def offer(pp: Pipeline, helpers: tuple[int, ...]) -> Leader | None:
-    """On the replaying rank, right after the hand-over: offer every candidate helper its part (or nothing)."""
+def _agree(why: str | None, others: list[int], device: torch.device) -> str | None:
+    """Every member of a replay set learns every member's reason not to split (None: none): the set splits only
+    when no member has one, or a chain would miss a column. Returns the first reason found (None: split)."""
+    if not others:
+        return why
+    with collectives.internal():
+        pending: list = []
+        for other in others:
+            pending += wire.send(why, other, device)
+        theirs = {other: wire.recv(other, device) for other in others}
+        wire.wait(pending)
+    return why or next((f"rank {other}: {reason}" for other, reason in theirs.items() if reason), None)
+
+
+def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, ...]],
+          members: tuple[int, ...]) -> Leader | None:
+    """On a replaying rank, right after the hand-over: offer each helper of its column its part (or nothing, when
+    a member of its set cannot be split). ``assigned``: every replaying rank's column (:func:`assign_helpers`), to
+    find the helpers of the neighbouring members in each chain; ``members``: the rank's replay set."""
     device = pp.rec.group.device()
+    me = pp.rec.rank
     why = _unsplittable(pp)
     payload = None
     if why is None:
@@ -314,36 +246,53 @@ def offer(pp: Pipeline, helpers: tuple[int, ...]) -> Leader | None:
             payload = to_bytes({"module": stage.submod, "loss_fn": pp.schedule._loss_fn if stage.is_last else None})
         except Exception as exc:  # noqa: BLE001 - whatever does not pickle: replay alone
             why = f"the stage module or loss function does not pickle ({type(exc).__name__}: {exc})"
-    chain: list[int] = []
+    others = [m for m in members if m != me]
+    why = _agree(why, others, device)
+    setups: list[dict | None] = [None] * len(column)
     if why is None:
         stage = pp.stages[0]
-        parts = ranges(pp.schedule._n_microbatches, 1 + len(helpers))
-        chain = [pp.rec.rank, *helpers[:len(parts) - 1]]
+        parts = ranges(pp.schedule._n_microbatches, 1 + len(column))
+        chains = len(parts) - 1  # the same on every member: one schedule, one micro-batch count
+        live = pp.replay["live"] if pp.replay is not None else set()
+        up = pp._rank_of(stage.stage_index - 1) if not stage.is_first and stage.stage_index - 1 in live else None
+        down = pp._rank_of(stage.stage_index + 1) if not stage.is_last and stage.stage_index + 1 in live else None
+        fold = [me, *column[:chains]]
+        for c in range(chains):
+            setups[c] = {"payload": payload, "chain": fold, "index": stage.stage_index, "first": stage.is_first,
+                         "last": stage.is_last, "seed": pp.seed,
+                         # this chain's helpers of the neighbouring members: activations and gradients run live
+                         "up": assigned[up][c] if up is not None else None,
+                         "down": assigned[down][c] if down is not None else None}
     pending = []
     with collectives.internal():
-        for helper in helpers:
-            setup = None
-            if helper in chain:
-                setup = {"payload": payload, "chain": chain, "ranges": parts, "index": stage.stage_index,
-                         "first": stage.is_first, "last": stage.is_last, "seed": pp.seed}
-            pending += _send(setup, helper, device)
-        _wait(pending)
+        for helper, setup in zip(column, setups):
+            pending += wire.send(setup, helper, device)
+        wire.wait(pending)
     if why is not None:
-        log.info("rank %d replays its stage alone: %s", pp.rec.rank, why)
+        log.info("rank %d replays its stage%s without helpers: %s", me, " with its set" if others else "", why)
         return None
-    log.info("rank %d replays its stage with helpers %s (micro-batch ranges %s)", pp.rec.rank, chain[1:], parts)
-    return Leader(pp, chain, parts)
+    log.info("rank %d replays its stage with helpers %s (micro-batch ranges %s%s)", me, fold[1:], parts,
+             f"; chains run the stages of ranks {sorted(members)}" if others else "")
+    return Leader(pp, fold, parts, others)
 
 
 class Leader:
-    """The replaying rank's schedule, split across helpers for the replay."""
+    """A replaying rank's schedule, split across its helpers for the replay. In a set of several ranks every
+    member leads its own column; the members run the first range among themselves, live."""
 
-    def __init__(self, pp: Pipeline, chain: list[int], parts: list[tuple[int, int]]) -> None:
-        self.pp, self.chain, self.parts = pp, chain, parts
+    def __init__(self, pp: Pipeline, chain: list[int], parts: list[tuple[int, int]], others: list[int]) -> None:
+        self.pp, self.chain, self.parts, self.others = pp, chain, parts, others
         self.schedule, self.stage = pp.schedule, pp.stages[0]
         self.device = pp.rec.group.device()
         self.schedule._step_microbatches = self._step_microbatches  # this instance, for the replay only
         self.checked = False  # the first micro-batch's forward was checked for side effects
+        self.sends: list = []  # live sends to the set's other members, waited at the step's end
+        live = pp.replay["live"] if pp.replay is not None else set()
+        index = self.stage.stage_index
+        # whether the stage's inputs / output gradients come live from a member of the set (else: logs, the
+        # script's micro-batches or the loss)
+        self.live_in = not self.stage.is_first and index - 1 in live
+        self.live_out = not self.stage.is_last and index + 1 in live
 
     @property
     def helpers(self) -> list[int]:
@@ -359,62 +308,84 @@ class Leader:
         with collectives.internal():
             pending = []
             for helper in self.helpers:
-                pending += _send(None, helper, self.device)
-            _wait(pending)
+                pending += wire.send(None, helper, self.device)
+            wire.wait(pending)
 
     def _work(self, lo: int, hi: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
               loss_kwargs: dict | None) -> dict:
-        """Everything a helper needs for micro-batches ``lo..hi-1`` of this step: inputs, output gradients, targets
-        (receives are served from the neighbours' logs into the stage's buffers, as in a replay alone)."""
+        """Everything a helper needs for micro-batches ``lo..hi-1`` of this step that only this rank can give:
+        inputs (the script's on the first stage, else served from the neighbours' logs into the stage's buffers,
+        as in a replay alone), output gradients from the logs or targets; what crosses a boundary inside the
+        replay set flows between the chain's helpers instead."""
         stage = self.stage
         mbs: dict[int, dict] = {}
         for i in range(lo, hi):
-            entry: dict[str, Any] = {"kwargs": _cpu(kwarg_mbs[i] or {})}
+            entry: dict[str, Any] = {"kwargs": wire.cpu(kwarg_mbs[i] or {})}
             if stage.is_first:
-                entry["args"] = _cpu(tuple(arg_mbs[i]))
+                entry["args"] = wire.cpu(tuple(arg_mbs[i]))
                 entry["requires_grad"] = None
-            else:
-                stage.get_fwd_recv_ops(i)
+            elif not self.live_in:
+                stage.get_fwd_recv_ops(i)  # served from the logs: no operation
                 acts = stage._retrieve_recv_activations(i)
-                entry["args"] = _cpu(tuple(acts))
+                entry["args"] = wire.cpu(tuple(acts))
                 entry["requires_grad"] = [bool(a.requires_grad) for a in acts]
             if stage.is_last:
-                entry["target"] = _cpu(target_mbs[i]) if target_mbs is not None else None
-            else:
+                entry["target"] = wire.cpu(target_mbs[i]) if target_mbs is not None else None
+            elif not self.live_out:
                 stage.get_bwd_recv_ops(i)
-                entry["grads"] = _cpu(tuple(stage._retrieve_recv_grads(i)))
+                entry["grads"] = wire.cpu(tuple(stage._retrieve_recv_grads(i)))
             mbs[i] = entry
         # the module itself, not only its state dict: what the script changed on it since (a step counter a
         # forward reads) must be what the helper's copy sees
         return {"step": self.pp.rec.step, "module": to_bytes(self.stage.submod), "mbs": mbs,
                 "loss_kwargs": loss_kwargs}
 
+    def _issue(self, ops: list, wait: bool) -> None:
+        """Run the live operations a factory returned (traffic with the set's other members; none when this rank
+        replays alone): receives are waited for now, sends at the step's end."""
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if wait:
+            for work in works:
+                work.wait()
+        else:
+            self.sends += works
+
     def _forward(self, i: int, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None, loss_kwargs: dict | None,
                  return_outputs: bool) -> None:
         schedule, stage = self.schedule, self.stage
-        stage.get_fwd_recv_ops(i)
+        self._issue(stage.get_fwd_recv_ops(i), wait=True)
         output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
         schedule._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
-        stage.get_fwd_send_ops(i)
+        self._issue(stage.get_fwd_send_ops(i), wait=False)
 
     def _backward(self, i: int) -> None:
         stage = self.stage
-        stage.get_bwd_recv_ops(i)
+        self._issue(stage.get_bwd_recv_ops(i), wait=True)
         stage.backward_one_chunk(i, loss=self.schedule._maybe_get_loss(stage, i), last_backward=False)
-        stage.get_bwd_send_ops(i)
+        self._issue(stage.get_bwd_send_ops(i), wait=False)
+
+    def _end_sends(self) -> None:
+        sends, self.sends = self.sends, []
+        for work in sends:
+            work.wait()
 
     def _first_forward_is_pure(self, arg_mbs: list, kwarg_mbs: list, target_mbs: list | None,
                                loss_kwargs: dict | None, return_outputs: bool) -> bool:
         """Run micro-batch 0's forward; False (helpers released, the replay goes on alone) when it changed the
-        module's side state: a helper would start its range from the wrong one."""
+        module's side state (a helper would start its range from the wrong one) on this rank or on another member
+        of its set (they agree: a chain needs every column)."""
         self.checked = True
         before = side_state(self.stage.submod)
         self._forward(0, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
         changed = changed_by(before, side_state(self.stage.submod))
-        if not changed:
+        mine = f"its forward changes {', '.join(changed[:4])}" if changed else None
+        why = _agree(mine, self.others, self.device)
+        if why is None:
             return True
-        log.info("rank %d replays its stage alone: its forward changes %s (a helper would not see the change made "
-                 "by the micro-batches before its range)", self.pp.rec.rank, ", ".join(changed[:4]))
+        log.info("rank %d replays its stage without helpers: %s (a helper would not see the change made by the "
+                 "micro-batches before its range)", self.pp.rec.rank, why)
         self.close()
         self.pp.parallel = None
         return False
@@ -422,6 +393,9 @@ class Leader:
     def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
                            target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
                            loss_kwargs: dict | None = None) -> None:
+        """One replayed step in GPipe order, the same on every member of the set (forwards, then backwards, in
+        micro-batch order: gradients accumulate in micro-batch order as in every schedule, and live traffic
+        between members cannot deadlock)."""
         schedule, stage = self.schedule, self.stage
         arg_mbs, kwarg_mbs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         lo, hi = self.parts[0]
@@ -429,37 +403,38 @@ class Leader:
         if not self.checked:
             done = lo + 1
             if not self._first_forward_is_pure(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs):
-                # this step alone, in micro-batch order: forwards, then backwards (gradients accumulate in
-                # micro-batch order, as in every schedule); later steps run the schedule's own code again
+                # this step alone; later steps run the schedule's own code again
                 n = schedule._n_microbatches
                 for i in range(done, n):
                     self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
                 for i in range(n):
                     self._backward(i)
+                self._end_sends()
                 schedule._update_losses(stage, losses)
                 stage.perform_reduce_grad(n if schedule.scale_grads else 1)
                 return
         with collectives.internal():
             pending = []
             for helper, (h_lo, h_hi) in zip(self.helpers, self.parts[1:]):
-                pending += _send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
+                pending += wire.send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
                                  self.device)
-        for i in range(done, hi):  # this rank's range, as the schedule would (backward in micro-batch order)
+        for i in range(done, hi):  # this rank's range (with the set's other members, live)
             self._forward(i, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs, return_outputs)
         for i in range(lo, hi):
             self._backward(i)
+        self._end_sends()
         params = list(stage.submod.parameters())
         with collectives.internal():
-            _wait(pending)
-            _wait(_send({"grads": [p.grad for p in params], "losses": [], "outputs": []}, self.helpers[0],
+            wire.wait(pending)
+            wire.wait(wire.send({"grads": [p.grad for p in params], "losses": [], "outputs": []}, self.helpers[0],
                         self.device))
-            total = _recv(self.helpers[-1], self.device)
+            total = wire.recv(self.helpers[-1], self.device)
         for p, g in zip(params, total["grads"]):
             p.grad = None if g is None else g.to(p.device)
         if stage.is_last:
-            schedule._internal_losses.extend(_to(total["losses"], self.device))
+            schedule._internal_losses.extend(wire.to(total["losses"], self.device))
             if return_outputs:
-                stage.output_chunks.extend(_to(total["outputs"], self.device))
+                stage.output_chunks.extend(wire.to(total["outputs"], self.device))
         schedule._update_losses(stage, losses)
         stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
 
@@ -469,66 +444,105 @@ class Leader:
 
 def receive_offer(leader: int, device: torch.device) -> dict | None:
     with collectives.internal():
-        return _recv(leader, device)
+        return wire.recv(leader, device)
 
 
 def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     """Compute this rank's range of every replayed step and fold it into the chain, until the replacement says the
-    replay is over. Returns the number of steps helped."""
-    from torch.distributed.pipelining._backward import stage_backward
+    replay is over. Returns the number of steps helped.
+
+    In a chain (the replay set has several members) the stage's inputs come live from the chain's helper of the
+    member before (``up``) and its output gradients from the one after (``down``); the rest from the member this
+    rank helps. GPipe order, as the members run: every forward, then every backward, in micro-batch order."""
     from torch.distributed.pipelining._utils import flatten_args
     from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple
 
     from swiftrun.runtime.pipeline import _generators, _mix
 
     shipped = torch.load(io.BytesIO(setup["payload"].numpy().tobytes()), weights_only=False, map_location=device)
-    module, loss_fn = shipped["module"], shipped["loss_fn"]
+    loss_fn = shipped["loss_fn"]
     chain = setup["chain"]
     me = chain.index(rank)
     prev, nxt = chain[me - 1], chain[(me + 1) % len(chain)]
-    index, first, last, seed = setup["index"], setup["first"], setup["last"], setup["seed"]
+    index, first, seed = setup["index"], setup["first"], setup["seed"]
+    up, down = setup.get("up"), setup.get("down")
     generators = _generators(device)
-    params = list(module.parameters())
     steps = 0
     with collectives.internal(), torch.enable_grad():
         while True:
-            work = _recv(chain[0], device)
+            work = wire.recv(chain[0], device)
             if work is None:
                 return steps
             faults.fire("help", work["step"])
             started = time.perf_counter()
             module = torch.load(io.BytesIO(work["module"].cpu().numpy().tobytes()), weights_only=False,
                                 map_location=device)
-            params = list(module.parameters())
-            per_mb: list[list[torch.Tensor | None]] = []
-            losses, outputs = [], []
+            bwd = _HelperStep(list(module.parameters()), work, setup, loss_fn, device)
+            graphs = []  # in a chain: every forward first, then every backward (GPipe order, as the members)
             for i in sorted(work["mbs"]):
-                entry = _to(work["mbs"][i], device)
-                for p in params:
-                    p.grad = None
-                if first:
+                entry = wire.to(work["mbs"][i], device)
+                if up is not None:
+                    sent = wire.recv(up, device)
+                    args = tuple(a.requires_grad_(rg) for a, rg in zip(sent["acts"], sent["requires_grad"]))
+                elif first:
                     args = tuple(entry["args"])
                 else:
                     args = tuple(a.requires_grad_(rg) for a, rg in zip(entry["args"], entry["requires_grad"]))
                 kwargs = entry["kwargs"] or {}
                 with seeded(generators, _mix(seed, work["step"], index, i)):
                     output = module(*args, **kwargs)
-                inputs = flatten_args(args) + flatten_args(kwargs)
-                if last:
-                    loss = loss_fn(output, entry["target"], **(work["loss_kwargs"] or {}))
-                    stage_backward(loss, None, inputs)
-                    losses.append(loss.detach().cpu())
-                    outputs.append(_cpu(output))
+                if down is not None:
+                    outs = _normalize_model_output_as_tuple(output)
+                    bwd.pending += wire.send({"acts": outs, "requires_grad": [bool(o.requires_grad) for o in outs]},
+                                             down, device)
+                graph = (entry, args, output, flatten_args(args) + flatten_args(kwargs))
+                if up is None and down is None:
+                    bwd.backward(*graph)  # alone in its chain: one micro-batch's graph alive at a time
                 else:
-                    stage_backward(_normalize_model_output_as_tuple(output), entry["grads"], inputs)
-                per_mb.append([p.grad for p in params])
-            for p in params:
+                    graphs.append(graph)
+            for graph in graphs:
+                bwd.backward(*graph)
+            for p in bwd.params:
                 p.grad = None
-            partial = _recv(prev, device)
-            grads = fold(_to(partial["grads"], device), per_mb)
-            message = {"grads": _cpu(grads), "losses": partial["losses"] + losses,
-                       "outputs": partial["outputs"] + outputs}
-            _wait(_send(message, nxt, device))
+            partial = wire.recv(prev, device)
+            grads = fold(wire.to(partial["grads"], device), bwd.per_mb)
+            message = {"grads": wire.cpu(grads), "losses": partial["losses"] + bwd.losses,
+                       "outputs": partial["outputs"] + bwd.outputs}
+            wire.wait(bwd.pending)
+            wire.wait(wire.send(message, nxt, device))
             steps += 1
             log.debug("helped step %d (micro-batches %s) in %.3fs", work["step"], sorted(work["mbs"]),
                       time.perf_counter() - started)
+
+
+class _HelperStep:
+    """A helper's backward passes of one replayed step: each micro-batch's from ``.grad = None`` (its parameter
+    gradients kept apart for the fold), the gradients of its inputs sent to the chain's helper before."""
+
+    def __init__(self, params: list, work: dict, setup: dict, loss_fn: Any, device: torch.device) -> None:
+        self.params, self.work, self.loss_fn, self.device = params, work, loss_fn, device
+        self.last, self.up, self.down = setup["last"], setup.get("up"), setup.get("down")
+        self.pending: list = []  # sends to wait for before the step's fold goes on
+        self.per_mb: list[list[torch.Tensor | None]] = []
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list = []
+
+    def backward(self, entry: dict, args: tuple, output: Any, inputs: list) -> None:
+        from torch.distributed.pipelining._backward import stage_backward
+        from torch.distributed.pipelining._utils import flatten_args
+        from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple
+
+        for p in self.params:
+            p.grad = None
+        if self.last:
+            loss = self.loss_fn(output, entry["target"], **(self.work["loss_kwargs"] or {}))
+            grads_in = stage_backward(loss, None, inputs)
+            self.losses.append(loss.detach().cpu())
+            self.outputs.append(wire.cpu(output))
+        else:
+            grads = (wire.to(wire.recv(self.down, self.device)["grads"], self.device) if self.down is not None
+                     else entry["grads"])
+            grads_in = stage_backward(_normalize_model_output_as_tuple(output), grads, inputs)
+        if self.up is not None:  # the gradients of the inputs the helper before sent (not of the kwargs)
+            self.pending += wire.send({"grads": list(grads_in)[:len(flatten_args(args))]}, self.up, self.device)
+        self.per_mb.append([p.grad for p in self.params])

@@ -407,23 +407,33 @@ class Recovery:
         return plan
 
     def _parallel_replay(self, plan: PipePlan, phases: dict[str, float]) -> None:
-        """Idle survivors help a rank that replays alone (runtime/pp_parallel.py): it offers them its stage; a
-        helper that takes it computes its share of every replayed step before it reports RECOVERED."""
+        """Idle survivors help the replaying ranks (runtime/pp_parallel.py), each set its own share of them: a
+        replaying rank offers its column of helpers its stage; a helper that takes it computes its part of every
+        replayed step before it reports RECOVERED."""
         pp = self.pipeline
         assert pp is not None
-        helpers = pp_parallel.helpers_of(plan, self.world_size)
-        if not helpers:
+        assigned = pp_parallel.assign_helpers(plan, self.world_size)
+        if self.rank in assigned:
+            replay = plan.replay_of(self.rank)
+            assert replay is not None
+            pp.parallel = pp_parallel.offer(pp, assigned[self.rank], assigned, replay.ranks)
             return
-        leader = plan.replays[0].ranks[0]
-        if self.rank == leader:
-            pp.parallel = pp_parallel.offer(pp, helpers)
-        elif self.rank in helpers:
-            t = time.monotonic()
-            setup = pp_parallel.receive_offer(leader, self.group.device())
-            if setup is not None:
-                steps = pp_parallel.help_replay(self.rank, setup, self.group.device())
-                log.debug("helped rank %d replay %d step(s)", leader, steps)
-            phases["help"] = time.monotonic() - t
+        replay = plan.replay_of(self.rank)
+        if replay is not None:
+            if len(replay.ranks) > 1 and set(replay.together or replay.ranks) == set(replay.ranks) \
+                    and pp_parallel.cap() != 0:
+                log.info("rank %d replays with ranks %s without helpers: fewer idle ranks than the %d members a "
+                         "chain needs", self.rank, [r for r in replay.ranks if r != self.rank], len(replay.ranks))
+            return
+        leader = next((lead for lead, helpers in assigned.items() if self.rank in helpers), None)
+        if leader is None:
+            return
+        t = time.monotonic()
+        setup = pp_parallel.receive_offer(leader, self.group.device())
+        if setup is not None:
+            steps = pp_parallel.help_replay(self.rank, setup, self.group.device())
+            log.info("rank %d helped rank %d replay %d step(s)", self.rank, leader, steps)
+        phases["help"] = time.monotonic() - t
 
     def _pipeline_step_start(self, step: int) -> bool:
         """A pipeline's step start: end a finished replay, then checkpoint when due. False: recover first."""

@@ -125,6 +125,31 @@ def test_parallel_replay_cap(tmp_path, reference, cap, helpers):
     assert_same(tmp_path, ref)
 
 
+@pytest.mark.extended  # 6 ranks and a reference run of its own (~75 s); the shares: tests/unit/test_pp_parallel.py
+@pytest.mark.timeout(300)
+def test_two_stages_lost_at_once_each_replay_with_their_own_helpers(tmp_path, reference, marker):
+    """6 stages, ranks 1 and 4 SIGKILLed at the same instant (each stopped after step 5's update, then killed back
+    to back): two independent replay sets of one rank, each served from its own neighbours' logs. The idle
+    survivors are shared out in contiguous shares, sets in plan order: ranks 0 and 2 help rank 1, ranks 3 and 5
+    help rank 4, both replays at once. Bitwise the failure-free run; no survivor restarted."""
+    world, lost, script = 6, (1, 4), ("--microbatches", "8")  # a schedule takes at least one per stage
+    ref = reference(script, world)
+    stops = [arg for r in lost for arg in ("--fault", f"{r}:5:after-step:sigstop")]
+    code, out, err = run_killing_together(launch(tmp_path, *stops, script=script, world=world), marker,
+                                          tmp_path / "events.jsonl", lost, timeout=250, SWIFTRUN_LOGLEVEL="info")
+    assert code == 0, (out + err)[-3000:]
+    ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
+    assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")], ended
+    replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
+    assert sorted(replays) == [1, 4] and all(r["ranks"] == [rank] for rank, r in replays.items()), replays
+    assert {rank: r["helpers"] for rank, r in replays.items()} == {1: [0, 2], 4: [3, 5]}, replays
+    for helper, leader in ((0, 1), (2, 1), (3, 4), (5, 4)):  # each helped both replayed steps (4 and 5)
+        assert f"rank {helper} helped rank {leader} replay 2 step(s)" in err, err[-3000:]
+    survivors = survivor_pids(tmp_path, lost)
+    assert sorted(survivors) == [0, 2, 3, 5] and all(len(p) == 1 for p in survivors.values()), survivors
+    assert_same(tmp_path, ref, world)
+
+
 @pytest.mark.timeout(300)
 def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
     """Rank 2 is lost; rank 0 dies while helping replay step 5. The survivors blocked in the fold are released by
@@ -257,17 +282,79 @@ def test_every_replica_of_a_stage_and_one_replica_of_its_neighbour_restart_every
 
 
 @pytest.mark.timeout(240)
-def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference):
+@pytest.mark.parametrize("world, budget, fault, script, groups, columns", [
+    (4, 10, "2:6:forward:sigkill", (), [[0, 1], [2, 3]], {2: [0], 3: [1]}),
+    # the first group, in backward, under GPipe with a cross-stage grad-norm all-reduce: the chain's first helper
+    # takes the script's micro-batches, its last the logged gradients of stage 2
+    pytest.param(4, 10, "0:5:backward:sigkill", ("--schedule", "gpipe", "--clip", "0.5"), [[0, 1], [2, 3]],
+                 {0: [2], 1: [3]}, marks=pytest.mark.extended),
+    # 6 stages in three groups: the four idle ranks make two chains, (0, 1) and (4, 5); 8 micro-batches in three
+    # ranges, each column's fold passing through both chains (rank 2 -> 0 -> 4 -> 2)
+    pytest.param(6, 20, "2:6:forward:sigkill", ("--microbatches", "8"), [[0, 1], [2, 3], [4, 5]],
+                 {2: [0, 4], 3: [1, 5]}, marks=pytest.mark.extended),
+])
+def test_selective_logging_replays_the_lost_stage_logging_group(tmp_path, reference, world, budget, fault, script,
+                                                                 groups, columns):
     """A 10 KiB budget logs one boundary of three: groups [0,1] [2,3]. Killing rank 2 replays ranks 2 and 3
-    together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise."""
-    ref = reference()
-    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", "2:6:forward:sigkill"), marker="pp-groups",
-               timeout=220)
+    together (rank 3 rolls back to its own checkpoint copy; they talk live), bitwise. The two idle ranks form one
+    chain, a copy of the group's two stages computing half of every replayed step's micro-batches, activations and
+    gradients flowing live between them; each member folds its column's gradients in micro-batch order. Each
+    helper must have helped every replayed step (its log line), the survivors keep their processes."""
+    ref = reference(script, world)
+    lost = int(fault.split(":")[0])
+    proc = run(launch(tmp_path, "--log-budget", f"{budget}KiB", "--fault", fault, script=script, world=world),
+               marker="pp-groups", timeout=220, SWIFTRUN_LOGLEVEL="info")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (plan,) = [r for r in records(tmp_path) if r["event"] == "log_plan"]
-    assert plan["groups"] == [[0, 1], [2, 3]] and plan["logged"] == [1] and plan["peak_log_bytes"] <= 10 * 1024
+    assert plan["groups"] == groups and plan["peak_log_bytes"] <= budget * 1024, plan
+    replays = {r["rank"]: r for r in records(tmp_path) if r["event"] == "replay"}
+    assert {tuple(r["ranks"]) for r in replays.values()} == {tuple(columns)}, replays
+    assert {rank: r["helpers"] for rank, r in replays.items()} == columns, replays
+    for member, column in columns.items():
+        steps = replays[member]["last"] - replays[member]["first"] + 1
+        for helper in column:
+            assert f"rank {helper} helped rank {member} replay {steps} step(s)" in proc.stderr, proc.stderr[-3000:]
+    assert all(len(pids) == 1 for pids in survivor_pids(tmp_path, lost).values()), "a survivor was restarted"
+    assert_same(tmp_path, ref, world)
+
+
+@pytest.mark.extended  # the abort releasing blocked ranks is in the default suite (test_a_helper_lost_during_...)
+@pytest.mark.timeout(300)
+def test_a_chain_helper_lost_during_a_logging_groups_replay(tmp_path, reference):
+    """Groups [0,1] [2,3], rank 2 killed; rank 1, running stage 3's copy in the chain, dies while helping step 5.
+    The ranks blocked in the chain's traffic are released by the abort; now both groups must replay (rank 1's
+    group, and rank 2's, which needs rank 1's logs): all four ranks together from --stage-ckpt-dir, with no idle
+    rank left for a chain (said in a log line), and the run ends bitwise equal."""
+    ref = reference()
+    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--stage-ckpt-dir", str(tmp_path / "ckpt"),
+                      "--fault", "2:6:forward:sigkill", "--fault", "1:5:help:sigkill"), marker="pp-chain-help",
+               timeout=280, SWIFTRUN_LOGLEVEL="info")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 replays its stage with helpers [1]" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 replays with ranks [1, 2, 3] without helpers: fewer idle ranks" in proc.stderr, \
+        proc.stderr[-3000:]
     replays = {tuple(r["ranks"]) for r in records(tmp_path) if r["event"] == "replay"}
-    assert replays == {(2, 3)}, replays
+    assert {(2, 3), (0, 1, 2, 3)} <= replays, replays
+    assert_same(tmp_path, ref)
+
+
+@pytest.mark.extended  # the agreement between members; the single-rank side-effect check is in tests/unit
+@pytest.mark.timeout(240)
+def test_a_logging_group_replays_alone_when_one_members_forward_has_side_effects(tmp_path, reference):
+    """Groups [0,1] [2,3], rank 2 killed; stage 3's module counts its forwards (a side effect that changes no
+    result). Rank 3 sees it at the first replayed forward and tells rank 2: both release their helpers (a chain
+    needs every column) and the group replays alone, bitwise."""
+    ref = reference()  # the counter changes nothing the model computes
+    proc = run(launch(tmp_path, "--log-budget", "10KiB", "--fault", "2:6:forward:sigkill",
+                      script=("--count-forwards", "3")), marker="pp-groups-side", timeout=220,
+               SWIFTRUN_LOGLEVEL="info")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 replays its stage without helpers: its forward changes .forwards" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "rank 2 replays its stage without helpers: rank 3: its forward changes .forwards" in proc.stderr, \
+        proc.stderr[-3000:]
+    for helper, member in ((0, 2), (1, 3)):
+        assert f"rank {helper} helped rank {member} replay 0 step(s)" in proc.stderr, proc.stderr[-3000:]
     assert_same(tmp_path, ref)
 
 

@@ -26,6 +26,19 @@ def stage_module(stage: int, hidden: int, dropout: float, seed: int) -> nn.Modul
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, hidden))
 
 
+class Counted(nn.Sequential):
+    """A stage that counts its forwards (a side effect that changes nothing the model computes): parallel replay
+    must see it and replay the stage alone (runtime/pp_parallel.py, side_state)."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        return super().forward(x)
+
+
 def batch(seed: int, step: int, replica: int, size: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + replica)
     x = torch.randn(size, hidden, generator=g)
@@ -44,6 +57,8 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.0, help="clip the global grad norm (all-reduced over stages)")
     p.add_argument("--ckpt-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count-forwards", type=int, default=-1, metavar="STAGE",
+                   help="this stage's module counts its forwards (a side effect parallel replay must refuse)")
     p.add_argument("--save-dir", required=True)
     args = p.parse_args()
 
@@ -56,6 +71,8 @@ def main() -> None:
     pipe_group, dp_group = pipes[replica], dps[stage]
 
     module = stage_module(stage, args.hidden, args.dropout, args.seed)
+    if stage == args.count_forwards:
+        module = Counted(*module)
     wrapped: nn.Module = DDP(module, process_group=dp_group) if args.dp > 1 else module
     mb = args.batch // args.microbatches
     pp_stage = PipelineStage(wrapped, stage, stages, torch.device("cpu"), group=pipe_group if args.dp > 1 else None,

@@ -21,13 +21,56 @@ def test_ranges_are_contiguous_and_cover_every_micro_batch():
 
 def test_helpers_are_idle_survivors_of_a_single_rank_replay():
     one = Replay(ranks=(2,), start=4, sources=((2, 3),), peers=(1, 3), stages=(2,))
-    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,)), 4, -1) == (0, 1, 3)
-    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,)), 4, 2) == (0, 1)
-    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,)), 4, 0) == ()
-    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(one,), copies=((4, (5,)),)), 6, -1) == (0, 1, 3, 4)
-    pair = Replay(ranks=(1, 2), start=4, sources=((1, -2), (2, -2)), peers=(0, 3), stages=(1, 2))
-    assert pp_parallel.helpers_of(PipePlan(point=5, replays=(pair,)), 4, -1) == ()
-    assert pp_parallel.helpers_of(PipePlan(point=5), 4, -1) == ()
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(one,)), 4, -1) == {2: (0, 1, 3)}
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(one,)), 4, 2) == {2: (0, 1)}
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(one,)), 4, 0) == {}
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(one,), copies=((4, (5,)),)), 6, -1) == \
+        {2: (0, 1, 3, 4)}
+    assert pp_parallel.assign_helpers(PipePlan(point=5), 4, -1) == {}
+
+
+def _one(rank: int, together: tuple[int, ...] = ()) -> Replay:
+    return Replay(ranks=(rank,), start=4, sources=((rank, rank + 1),), peers=(rank - 1, rank + 1), stages=(rank,),
+                  together=together)
+
+
+def test_idle_survivors_are_shared_out_among_several_single_rank_replays():
+    two = PipePlan(point=5, replays=(_one(1), _one(4)))
+    # 6 stages, 1 and 4 lost: contiguous shares of the idle ranks 0, 2, 3, 5, sets in plan order
+    assert pp_parallel.assign_helpers(two, 6, -1) == {1: (0, 2), 4: (3, 5)}
+    assert pp_parallel.assign_helpers(two, 6, 1) == {1: (0,), 4: (3,)}  # the cap is per set
+    # uneven: the earlier sets take the larger shares; a set left without a helper replays alone
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(_one(1), _one(3))), 7, -1) == \
+        {1: (0, 2, 4), 3: (5, 6)}
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(_one(0), _one(2), _one(4))), 5, -1) == \
+        {0: (1,), 2: (3,)}
+    three = PipePlan(point=5, replays=(_one(1), _one(3), _one(5)))
+    assert pp_parallel.assign_helpers(three, 6, -1) == {1: (0,), 3: (2,), 5: (4,)}
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(_one(1), _one(3), _one(5))), 7, -1) == \
+        {1: (0, 2), 3: (4,), 5: (6,)}
+    # a set of two next to one of one: shares 2 and 1 of the idle ranks 0, 2, 3; the pair's share makes one chain
+    pair = Replay(ranks=(4, 5), start=4, sources=((4, -2), (5, 5)), peers=(3,), stages=(4, 5))
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(pair, _one(1))), 6, -1) == {4: (0,), 5: (2,), 1: (3,)}
+    # the other way round the pair's share (one rank) is too small for a chain: it replays alone
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(_one(1), pair)), 6, -1) == {1: (0, 2)}
+    # lockstep replicas (a DDP stage) replay alone, and their partners are not idle
+    lockstep = PipePlan(point=5, replays=(_one(0, (0, 2)), _one(2, (0, 2))))
+    assert pp_parallel.assign_helpers(lockstep, 4, -1) == {}
+
+
+def test_a_set_of_several_ranks_takes_chains_of_one_helper_per_member():
+    pair = Replay(ranks=(3, 2), start=4, sources=((2, 4), (3, 3)), peers=(1,), stages=(2, 3))
+    # 4 stages, groups [0,1] [2,3], rank 2 lost: one chain, rank 0 runs stage 2's copy, rank 1 stage 3's
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(pair,)), 4, -1) == {2: (0,), 3: (1,)}
+    # 9 ranks, a set of three (3, 4, 5): six idle ranks make two chains (0, 1, 2) and (6, 7, 8), members' columns
+    three = Replay(ranks=(3, 4, 5), start=4, sources=((3, 3), (4, 4), (5, 6)), peers=(2, 6), stages=(3, 4, 5))
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(three,)), 9, -1) == \
+        {3: (0, 6), 4: (1, 7), 5: (2, 8)}
+    # --parallel-replay caps the helpers of the set: 5 leaves one chain, 2 none (fewer than its three members)
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(three,)), 9, 5) == {3: (0,), 4: (1,), 5: (2,)}
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(three,)), 9, 2) == {}
+    tail = Replay(ranks=(2, 3, 4), start=4, sources=((2, 3), (3, 4), (4, 0)), peers=(1,), stages=(2, 3, 4))
+    assert pp_parallel.assign_helpers(PipePlan(point=5, replays=(tail,)), 5, -1) == {}  # idle 0, 1: no chain
 
 
 def _stage(seed: int = 0) -> nn.Module:
