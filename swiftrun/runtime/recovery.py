@@ -73,6 +73,7 @@ class Recovery:
         self.keep_last_update = self.mode == "undo" or self.pipeline is not None or bool(self.buffers.indices)
         # undo mode may undo a completed step, whose start is one snapshot older than the current step's
         self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
+        self._grad_copies = undo.GradCopies()  # where those copies go, kept from step to step
         init = rt.init_kwargs or {}
         backend = init.get("backend") or dist.get_backend()
         self.group = GroupManager(self.rank, self.world_size, backend, init.get("timeout"), init.get("device_id"))
@@ -604,7 +605,7 @@ class Recovery:
                     id(optimizer), (), unavailable_reason="the optimizer stepped twice in one iteration")
             elif undo.invertible(optimizer)[0]:
                 self._records.setdefault(self.step, {})[index] = undo.capture(
-                    optimizer, copy_grads=self.keep_last_update, known_invertible=True)
+                    optimizer, copy_grads=self.keep_last_update, known_invertible=True, copies=self._grad_copies)
         return pre_hook
 
     def _make_post_hook(self, index: int):

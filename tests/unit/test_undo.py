@@ -27,6 +27,7 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 
 from swiftrun.errors import RecoveryError
 from swiftrun.runtime.undo import (
+    GradCopies,
     StepRecord,
     UndoUnavailable,
     capture,
@@ -339,6 +340,44 @@ def test_reference_survives_zero_grad_set_to_none(cls: OptimizerClass) -> None:
 
     assert_params_restored(last, MIN_BIT_EXACT[cls.__name__])
     assert_state_matches(last.optimizer, last.params, last.state_before)
+
+
+@pytest.mark.parametrize("cls", [SGD, Adam, AdamW])
+def test_kept_buffers_undo_like_a_clone_and_a_record_two_captures_old_refuses(cls: OptimizerClass) -> None:
+    """GradCopies: the copy of capture n lives in a buffer kept from capture n-2. Undoing from it is bitwise
+    undoing from a clone; the record whose buffer a later capture reused says so instead of inverting with
+    another step's gradient."""
+    params = make_params(0, torch.float32)
+    optimizer = typical(cls, weight_decay=1e-4)(params)
+    twin_params = [nn.Parameter(p.detach().clone()) for p in params]
+    twin = typical(cls, weight_decay=1e-4)(twin_params)
+    copies = GradCopies()
+    generator = torch.Generator().manual_seed(1)
+    records, buffers = [], []
+    for _ in range(4):
+        set_random_grads(params, generator)
+        for p, q in zip(params, twin_params, strict=True):
+            q.grad = grad_of(p).clone()
+        records.append(capture(optimizer, copy_grads=True, copies=copies))
+        twin_record = capture(twin, copy_grads=True)
+        buffers.append([entry.grad for group in records[-1].groups for entry in group.params])
+        optimizer.step()
+        twin.step()
+        for p in params:
+            grad_of(p).mul_(3.0)  # the script changing p.grad afterwards touches none of the copies
+    assert all(a is c for a, c in zip(buffers[1], buffers[3], strict=True))  # two buffers, in turn
+    assert not any(a is b for a, b in zip(buffers[2], buffers[3], strict=True))
+    assert state_bytes(records[-1]) == sum(n * 4 for n in PARAM_SIZES)
+    assert undoable(optimizer, records[-1]) == (True, "")
+    ok, reason = undoable(optimizer, records[1])  # its buffers hold capture 3's gradients now
+    assert not ok and "reused by a later step" in reason
+    undo_step(optimizer, records[-1])
+    undo_step(twin, twin_record)
+    for p, q in zip(params, twin_params, strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(params, twin_params, strict=True):
+        for key, value in twin.state[q].items():
+            assert torch.equal(torch.as_tensor(optimizer.state[p][key]), torch.as_tensor(value)), key
 
 
 @pytest.mark.parametrize("cls", [SGD, Adam, AdamW])
