@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -179,9 +180,12 @@ def _install_comm_hook(ddp: DistributedDataParallel) -> None:
         ddp._distributed_broadcast_coalesced = functools.partial(_broadcast_buffers, ddp)
 
 
+@torch.compiler.disable  # a compiled DDP's forward reaches this; dynamo cannot trace the process group object
 def _broadcast_buffers(ddp: DistributedDataParallel, tensors: list, bucket_bytes: int, root: int = 0) -> None:
     """DDP's ``_distributed_broadcast_coalesced`` (``root``: a rank of DDP's group, as DDP passes it), on the group
-    DDP runs on now, abortable (runtime/abortable.py)."""
+    DDP runs on now, abortable (runtime/abortable.py). Run eagerly under ``torch.compile``: tracing it failed with
+    dynamo's "UnsafeScriptObjectError: Attempted to access unregistered member on an OpaqueObject"
+    (tests/integration/test_exactness.py, case compiled-ddp)."""
     abortable.broadcast_coalesced(ddp.process_group, list(tensors), bucket_bytes, root)
 
 
