@@ -449,12 +449,12 @@ class Pipeline:
         st.install(self.rec.reg, loaded["tree"])
         set_rng_state(loaded["rng"])
         self.replay = {"start": replay.start, "until": point, "log": logs, "coll": coll,
-                       "live": set(replay.stages), "together": set(replay.together or replay.ranks),
+                       "live": set(replay.stages), "together": set(replay.cohort),
                        # the neighbour whose logged collective results this replay is served (pp_handover)
                        "server": replay.peers[0] if replay.peers else None,
                        # the DDP bucket layouts of the checkpoint's step (runtime/recovery.py rebinds with them)
                        "layouts": loaded.get("layouts"),
-                       "ranks": list(replay.together or replay.ranks),
+                       "ranks": list(replay.cohort),
                        "started": time.monotonic()}
         self.log.clear()
         self.coll.clear()

@@ -83,7 +83,7 @@ def assign_helpers(plan: PipePlan, world_size: int, limit: int | None = None) ->
     of the set's segment; a share smaller than k gives no chain (absent: the set replays alone). Replicas replaying
     in lockstep (a DDP-wrapped stage, never split) get no helper and are not idle."""
     limit = cap() if limit is None else limit
-    sets = [r.ranks for r in plan.replays if set(r.together or r.ranks) == set(r.ranks)]
+    sets = [r.ranks for r in plan.replays if not r.lockstep]
     if limit == 0 or not sets:
         return {}
     busy = {m for r in plan.replays for m in (*r.ranks, *r.together)} | {t for _, ts in plan.copies for t in ts}
@@ -231,6 +231,17 @@ def _agree(why: str | None, others: list[int], device: torch.device) -> str | No
     return why or next((f"rank {other}: {reason}" for other, reason in theirs.items() if reason), None)
 
 
+def _live_neighbours(pp: Pipeline) -> tuple[int | None, int | None]:
+    """The ranks of the stages before and after this rank's that replay in its set (their traffic runs live;
+    None: the stage's inputs or output gradients come from the logs, the script's micro-batches or the loss)."""
+    stage = pp.stages[0]
+    live = pp.replay["live"] if pp.replay is not None else set()
+    index = stage.stage_index
+    up = pp._rank_of(index - 1) if not stage.is_first and index - 1 in live else None
+    down = pp._rank_of(index + 1) if not stage.is_last and index + 1 in live else None
+    return up, down
+
+
 def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, ...]],
           members: tuple[int, ...]) -> Leader | None:
     """On a replaying rank, right after the hand-over: offer each helper of its column its part (or nothing, when
@@ -253,9 +264,7 @@ def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, 
         stage = pp.stages[0]
         parts = ranges(pp.schedule._n_microbatches, 1 + len(column))
         chains = len(parts) - 1  # the same on every member: one schedule, one micro-batch count
-        live = pp.replay["live"] if pp.replay is not None else set()
-        up = pp._rank_of(stage.stage_index - 1) if not stage.is_first and stage.stage_index - 1 in live else None
-        down = pp._rank_of(stage.stage_index + 1) if not stage.is_last and stage.stage_index + 1 in live else None
+        up, down = _live_neighbours(pp)
         fold = [me, *column[:chains]]
         for c in range(chains):
             setups[c] = {"payload": payload, "chain": fold, "index": stage.stage_index, "first": stage.is_first,
@@ -287,12 +296,10 @@ class Leader:
         self.schedule._step_microbatches = self._step_microbatches  # this instance, for the replay only
         self.checked = False  # the first micro-batch's forward was checked for side effects
         self.sends: list = []  # live sends to the set's other members, waited at the step's end
-        live = pp.replay["live"] if pp.replay is not None else set()
-        index = self.stage.stage_index
         # whether the stage's inputs / output gradients come live from a member of the set (else: logs, the
         # script's micro-batches or the loss)
-        self.live_in = not self.stage.is_first and index - 1 in live
-        self.live_out = not self.stage.is_last and index + 1 in live
+        up, down = _live_neighbours(pp)
+        self.live_in, self.live_out = up is not None, down is not None
 
     @property
     def helpers(self) -> list[int]:

@@ -76,6 +76,16 @@ class Replay:
     def source_of(self, rank: int) -> int:
         return dict(self.sources)[rank]
 
+    @property
+    def cohort(self) -> tuple[int, ...]:
+        """Every rank replaying in step with this set: its lockstep component, or just its own ranks."""
+        return self.together or self.ranks
+
+    @property
+    def lockstep(self) -> bool:
+        """Replicas of its stages replay with it in their own pipelines (their DDP all-reduce runs live)."""
+        return set(self.cohort) != set(self.ranks)
+
 
 @dataclass(frozen=True)
 class PipePlan:

@@ -414,15 +414,13 @@ class Recovery:
         pp = self.pipeline
         assert pp is not None
         assigned = pp_parallel.assign_helpers(plan, self.world_size)
+        replay = plan.replay_of(self.rank)
         if self.rank in assigned:
-            replay = plan.replay_of(self.rank)
             assert replay is not None
             pp.parallel = pp_parallel.offer(pp, assigned[self.rank], assigned, replay.ranks)
             return
-        replay = plan.replay_of(self.rank)
         if replay is not None:
-            if len(replay.ranks) > 1 and set(replay.together or replay.ranks) == set(replay.ranks) \
-                    and pp_parallel.cap() != 0:
+            if len(replay.ranks) > 1 and not replay.lockstep and pp_parallel.cap() != 0:
                 log.info("rank %d replays with ranks %s without helpers: fewer idle ranks than the %d members a "
                          "chain needs", self.rank, [r for r in replay.ranks if r != self.rank], len(replay.ranks))
             return

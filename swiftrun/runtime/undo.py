@@ -109,22 +109,22 @@ class GradCopies:
     """
 
     def __init__(self) -> None:
-        self._slots: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor | None], list[int]]] = {}
+        # (optimizer, parameter) -> the parameter and its two buffers, the older first (the next to be reused)
+        self._slots: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor | None]]] = {}
 
     def copy(self, optimizer: Optimizer, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         key = (id(optimizer), id(param))
         slot = self._slots.get(key)
         if slot is None or slot[0] is not param:  # an id reused by another tensor: start afresh
-            slot = self._slots[key] = (param, [None, None], [0])
-        _, buffers, turn = slot
-        index = turn[0]
-        turn[0] = 1 - index
-        buf = buffers[index]
+            slot = self._slots[key] = (param, [None, None])
+        buffers = slot[1]
+        buf = buffers.pop(0)
         if (buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype or buf.device != grad.device
                 or buf.stride() != grad.stride()):
-            buf = buffers[index] = torch.empty_like(grad)
+            buf = torch.empty_like(grad)
         with torch.no_grad():
             buf.copy_(grad)
+        buffers.append(buf)
         return buf
 
 
