@@ -34,7 +34,7 @@ from swiftrun.dashboard.render import render  # noqa: E402
 from swiftrun.launcher.actions import Assign, Spawn  # noqa: E402
 from swiftrun.launcher.job import Job  # noqa: E402
 from swiftrun.launcher.nodes import NodeTable  # noqa: E402
-from swiftrun.protocol import EventKind  # noqa: E402
+from swiftrun.protocol.control import EventKind  # noqa: E402
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -30,13 +30,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import train_pp  # noqa: E402  (imports torch.distributed.pipelining, hence numpy.random, as a real stage does)
 
-from swiftrun.runtime import state as st  # noqa: E402
-from swiftrun.runtime import undo  # noqa: E402
-from swiftrun.runtime.pipeline import Pipeline  # noqa: E402
-from swiftrun.runtime.pp_ckpt import FlatSnapshots  # noqa: E402
-from swiftrun.runtime.pp_log import LogStore  # noqa: E402
-from swiftrun.runtime.registry import Registry  # noqa: E402
-from swiftrun.runtime.txn import Transaction, rng_state  # noqa: E402
+from swiftrun.runtime.state import tree as st  # noqa: E402
+from swiftrun.runtime.core import undo  # noqa: E402
+from swiftrun.runtime.pp.pipeline import Pipeline  # noqa: E402
+from swiftrun.runtime.pp.ckpt import FlatSnapshots  # noqa: E402
+from swiftrun.runtime.pp.log import LogStore  # noqa: E402
+from swiftrun.runtime.state.registry import Registry  # noqa: E402
+from swiftrun.runtime.core.txn import Transaction, rng_state  # noqa: E402
 from bench_txn_overhead import per_call_us  # noqa: E402  (best of N rounds of mean per-call time)
 
 

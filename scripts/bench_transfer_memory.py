@@ -10,10 +10,10 @@ copied into its own parameters, optimizer state through ``Optimizer.load_state_d
 
 Methods:
 
-  flat      today's ``swiftrun.runtime.state.transfer``, re-implemented here so the benchmark outlives its
+  flat      today's ``swiftrun.runtime.state.tree.transfer``, re-implemented here so the benchmark outlives its
             rewrite: a pickled description, then per dtype ``torch.cat`` of every tensor on the source; an
             empty flat buffer, one broadcast, a ``clone`` of every slice on the receivers, then the install.
-  chunk:N   ``swiftrun.runtime.transfer.broadcast_tree`` with chunks of N MiB; receivers hand their own
+  chunk:N   ``swiftrun.runtime.state.transfer.broadcast_tree`` with chunks of N MiB; receivers hand their own
             parameters (and, on the survivor, its optimizer state tensors) as destinations.
 
 How memory is measured (honest about what it sees): torch's CPU allocator takes its memory from glibc malloc,
@@ -165,8 +165,8 @@ def flat_transfer(model, opt, rank, src, group, device):
 
 
 def chunk_transfer(model, opt, rank, src, group, device, chunk_bytes, survivor):
-    from swiftrun.runtime.destinations import destination_from, own_tensors
-    from swiftrun.runtime.transfer import broadcast_tree
+    from swiftrun.runtime.state.destinations import destination_from, own_tensors
+    from swiftrun.runtime.state.transfer import broadcast_tree
 
     own = own_tensors([model], [opt] if survivor else []) if rank != src else {}
     tree = {"models": [model.state_dict()], "optimizers": [opt.state_dict()]} if rank == src else None

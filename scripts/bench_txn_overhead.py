@@ -6,7 +6,7 @@ to run; the per-step work of the transaction runtime is a few hundred microsecon
 times its parts directly, on examples/train_dp.py's model (one thread):
 
   * the training step itself (forward, backward, optimizer step; no all-reduce: one process);
-  * Transaction.begin (runtime/txn.py): every buffer, the param groups' hyperparameters, schedulers, scaler,
+  * Transaction.begin (runtime/core/txn.py): every buffer, the param groups' hyperparameters, schedulers, scaler,
     user state, RNG streams, the parameters' version counters; and its parts rng_state() and param_versions();
   * undo.capture(copy_grads=False): the references the optimizer's step pre-hook keeps (auto mode);
   * PreStepCopy.take: the copy --exact-undo makes before each optimizer step.
@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 import train_dp  # noqa: E402
 
-from swiftrun.runtime import undo  # noqa: E402
-from swiftrun.runtime.registry import Registry  # noqa: E402
-from swiftrun.runtime.txn import PreStepCopy, Transaction, param_versions, rng_state  # noqa: E402
+from swiftrun.runtime.core import undo  # noqa: E402
+from swiftrun.runtime.state.registry import Registry  # noqa: E402
+from swiftrun.runtime.core.txn import PreStepCopy, Transaction, param_versions, rng_state  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:

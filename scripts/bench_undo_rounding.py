@@ -2,7 +2,7 @@
 """How far an undone update is from the state before it, and how that error grows over the following steps.
 
 One process runs examples/train_dp.py's model and data (rank 0's batch; under DDP the averaged gradient rounds
-the same way) twice: failure-free, and with step U applied, undone (runtime/undo.py's arithmetic inverse, or
+the same way) twice: failure-free, and with step U applied, undone (runtime/core/undo.py's arithmetic inverse, or
 txn.PreStepCopy with --copy, what --exact-undo does) and redone. Printed: right after the undo, and after later
 steps, compared with the failure-free run,
 
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 import train_dp  # noqa: E402
 
-from swiftrun.runtime import undo  # noqa: E402
-from swiftrun.runtime.txn import PreStepCopy  # noqa: E402
+from swiftrun.runtime.core import undo  # noqa: E402
+from swiftrun.runtime.core.txn import PreStepCopy  # noqa: E402
 
 State = dict[str, torch.Tensor]
 

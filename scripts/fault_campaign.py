@@ -375,7 +375,7 @@ def swiftrun_tracebacks(output: str) -> list[str]:
             continue
         path, line, func = frames[-1]
         exc = match.group(2)
-        if "/swiftrun/" in path and not path.endswith("runtime/faults.py") and "InjectedFault" not in exc:
+        if "/swiftrun/" in path and not path.endswith("runtime/worker/faults.py") and "InjectedFault" not in exc:
             found.append(f"{Path(path).parent.name}/{Path(path).name}:{line} in {func}: {exc[:200]}")
     return found
 

@@ -21,7 +21,7 @@ _LAZY = {
     "Stage": ("swiftrun.runtime.p2p", "Stage"),
     "ResumableDistributedSampler": ("swiftrun.runtime.sampler", "ResumableDistributedSampler"),
     "report": ("swiftrun.runtime.api", "report"),
-    "under_swiftrun": ("swiftrun.runtime.env", "under_swiftrun"),
+    "under_swiftrun": ("swiftrun.runtime.worker.env", "under_swiftrun"),
 }
 
 

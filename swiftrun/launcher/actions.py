@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from swiftrun.events import EventName
-from swiftrun.protocol import CommandKind
+from swiftrun.protocol.control import CommandKind
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from swiftrun import protocol
+from swiftrun.protocol import control as protocol
 from swiftrun.config import EntrypointKind, LaunchConfig
 from swiftrun.errors import LaunchError, ProtocolError
 from swiftrun.dashboard.live import Dashboard
@@ -37,7 +37,7 @@ from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
 from swiftrun.launcher.script import uses_swiftrun
 from swiftrun.launcher.store import AgentStore
 from swiftrun.launcher.zygote import ZygoteClient, ZygoteEvent, ZygoteState
-from swiftrun.runtime.zygote_wire import ZygoteKind
+from swiftrun.protocol.zygote import ZygoteKind
 from swiftrun.snapshot import JobSnapshot
 
 SNAPSHOT_PERIOD = 0.2  # seconds between published snapshots

@@ -37,7 +37,7 @@ from swiftrun.launcher.job import Job
 from swiftrun.launcher.nodes import Accepted, Node, NodeState, NodeTable
 from swiftrun.launcher.store import AgentStore
 from swiftrun.launcher.wire import NodeKind, ReportKind
-from swiftrun.protocol import EventKind
+from swiftrun.protocol.control import EventKind
 from swiftrun.snapshot import JobSnapshot, NodeView
 
 FINISH_GRACE = 5.0

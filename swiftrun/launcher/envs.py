@@ -13,7 +13,7 @@ from pathlib import Path
 
 from swiftrun.config import LaunchConfig
 
-# swiftrun's own variables, read by the injected runtime (swiftrun/runtime/env.py mirrors these names)
+# swiftrun's own variables, read by the injected runtime (swiftrun/runtime/worker/env.py mirrors these names)
 CTL_ADDR = "SWIFTRUN_CTL_ADDR"  # ZeroMQ endpoint of the launcher's ROUTER
 TOKEN = "SWIFTRUN_TOKEN"  # per-job secret the worker presents in HELLO
 LAUNCHER_PID = "SWIFTRUN_LAUNCHER_PID"  # the worker exits if its parent is not this process any more

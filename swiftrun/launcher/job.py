@@ -43,7 +43,7 @@ from swiftrun.launcher.actions import (
     Spawn,
 )
 from swiftrun.launcher.failures import ProcessFailure
-from swiftrun.protocol import CommandKind, EventKind
+from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
 SETUP_GRACE = 15.0  # seconds of silence tolerated while a worker imports and sets up (see _silence_limit)
@@ -55,7 +55,7 @@ EXIT_GRACE = 60.0
 # until RECOVERED). Every message is sent once and the sends are non-blocking (a full queue or a reconnecting TCP
 # link between nodes drops it), so without repeats one lost ABORT, ABORTED, RECOVER or RECOVERED stalled the
 # recovery for --recovery-timeout and cost a healthy rank. Commands are level-triggered and a worker answers a
-# repeat it has already answered by repeating its answer (runtime/link.py), so repeats are harmless; only ranks
+# repeat it has already answered by repeating its answer (runtime/worker/link.py), so repeats are harmless; only ranks
 # that owe an answer get them, so a recovery costs O(unanswered ranks) more messages per interval.
 RESEND_INTERVAL = 2.0
 

@@ -36,7 +36,7 @@ from swiftrun.launcher.agent import Agent
 from swiftrun.launcher.failures import ProcessFailure
 from swiftrun.launcher.script import uses_swiftrun
 from swiftrun.launcher.wire import NodeKind, ReportKind
-from swiftrun.protocol import EventKind
+from swiftrun.protocol.control import EventKind
 
 JOIN_RESEND = 2.0  # seconds between JOINs while the coordinator has not answered
 FENCED_EXIT = 1

@@ -1,6 +1,6 @@
 """The job-level control protocol between node agents (DEALER) and the coordinator (ROUTER), over TCP.
 
-A frame pair ``[kind, json]`` like the worker protocol (:mod:`swiftrun.protocol`): JSON, never pickle. Fan-in is
+A frame pair ``[kind, json]`` like the worker protocol (:mod:`swiftrun.protocol.control`): JSON, never pickle. Fan-in is
 per node: an agent sends one BEAT per heartbeat interval for all of its workers, and relays only the rare
 protocol moments (spawned, hello, events, exits) one by one. The coordinator answers every BEAT (the agent's
 lease) and sends the supervisor's actions for that node as DO messages, one per node per decision carrying its
@@ -16,7 +16,7 @@ from typing import Any
 
 from swiftrun.errors import ProtocolError
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, ResetStore, Send, Spawn
-from swiftrun.protocol import CommandKind
+from swiftrun.protocol.control import CommandKind
 
 NODE_PROTOCOL_VERSION = 2  # 2: a DO carries a list of actions
 

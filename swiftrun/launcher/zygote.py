@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from swiftrun.errors import ProtocolError
 from swiftrun.launcher.procs import is_stopped
-from swiftrun.runtime import zygote_wire as wire
-from swiftrun.runtime.zygote_wire import ZygoteKind
+from swiftrun.protocol import zygote as wire
+from swiftrun.protocol.zygote import ZygoteKind
 
 PR_SET_CHILD_SUBREAPER = 36
 FORK_ANSWER_TIMEOUT = 10.0  # seconds a warm zygote may take to answer a FORK before it counts as hung

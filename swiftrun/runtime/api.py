@@ -13,7 +13,7 @@ nothing, ``report`` drops its arguments.
 Under swiftrun, when any rank dies or hangs, the launcher aborts the process group of every survivor (a
 collective blocked on the dead rank raises at once), starts a replacement for the dead rank, and each rank runs
 :meth:`Run._recover`: rebuild the group of the new generation, agree on the recovery point
-(:mod:`~swiftrun.runtime.consensus`), undo a partially applied update where the plan says so, broadcast the
+(:mod:`~swiftrun.runtime.dp.consensus`), undo a partially applied update where the plan says so, broadcast the
 winning state to the ranks that need it, rebind DDP, and wait for the launcher's RESUME. The step that was
 interrupted is then yielded again.
 """
@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from swiftrun.runtime import process
+from swiftrun.runtime.worker import process
 
 
 def report(**metrics: float) -> None:
@@ -74,8 +74,8 @@ class Run:
         if not dist.is_initialized() or dist.get_world_size() < 2:
             self._rt = None  # nothing to recover from a replica: behave as under torchrun
             return
-        from swiftrun.runtime.recovery import Recovery
-        from swiftrun.runtime.registry import _as_list  # noqa: PLC2701
+        from swiftrun.runtime.core.recovery import Recovery
+        from swiftrun.runtime.state.registry import _as_list  # noqa: PLC2701
 
         self._recovery = Recovery(self._rt, model, _as_list(optimizer), _as_list(scheduler), scaler, state,
                                   pipeline=pipeline, checkpoint_every=checkpoint_every)

@@ -20,10 +20,10 @@ import sys
 import traceback
 from types import TracebackType
 
-from swiftrun.protocol import CommandKind, EventKind
-from swiftrun.runtime import process
-from swiftrun.runtime.env import WorkerEnv
-from swiftrun.runtime.link import Link
+from swiftrun.protocol.control import CommandKind, EventKind
+from swiftrun.runtime.worker import process
+from swiftrun.runtime.worker.env import WorkerEnv
+from swiftrun.runtime.worker.link import Link
 
 PR_SET_PDEATHSIG = 1
 log = logging.getLogger("swiftrun.runtime")
@@ -218,10 +218,10 @@ def main(argv: list[str], warm: bool = False) -> None:
         process.install(runtime)
         if wenv.joining:
             _placeholder_process_group(runtime)
-        from swiftrun.runtime import subgroups
+        from swiftrun.runtime.comm import subgroups
 
         subgroups.install()  # the script's dist.new_group calls, recorded to be re-created after a recovery
-    from swiftrun.runtime import faults
+    from swiftrun.runtime.worker import faults
 
     faults.install(wenv)
     log.debug("running %s %s", mode, target)
@@ -242,9 +242,9 @@ def main(argv: list[str], warm: bool = False) -> None:
 
 
 def _exit_if_groups_kept(code: object) -> None:
-    """A recovery kept a process group whose operation was blocked inside gloo (runtime/abortable.py): the
+    """A recovery kept a process group whose operation was blocked inside gloo (runtime/comm/abortable.py): the
     interpreter's finalization must not run while it may wake."""
-    kept = sys.modules.get("swiftrun.runtime.abortable")
+    kept = sys.modules.get("swiftrun.runtime.comm.abortable")
     if kept is not None:
         kept.exit_if_kept(code)
 

@@ -1,6 +1,6 @@
 """The zygote: one process per agent that imports torch and warms DDP once, then forks warm workers in
 milliseconds: ``python -u -m swiftrun.runtime.zygote FD`` (FD: its end of the agent's SEQPACKET socketpair,
-messages in swiftrun/runtime/zygote_wire.py).
+messages in swiftrun/protocol/zygote.py).
 
 Why fork is safe here: the zygote never creates a ZeroMQ context, a process group that survives the warm-up, or
 CUDA state, and it forks only while it is the single thread of its process (checked in /proc before each fork):
@@ -30,8 +30,8 @@ import traceback
 from dataclasses import dataclass
 
 from swiftrun.errors import ProtocolError
-from swiftrun.runtime import zygote_wire as wire
-from swiftrun.runtime.zygote_wire import ZygoteKind
+from swiftrun.protocol import zygote as wire
+from swiftrun.protocol.zygote import ZygoteKind
 
 log = logging.getLogger("swiftrun.zygote")
 REPARENT_WAIT = 5.0  # seconds a forked worker waits to be reparented to the agent before giving up

@@ -2,7 +2,7 @@
 
 A lost stage has no replica: its replacement loads the stage checkpoint its pipeline successor holds in memory
 and replays the steps since, its receives served from its neighbours' logs; the idle survivors help it, each
-computing a contiguous range of every step's micro-batches (runtime/pp_parallel.py). The recovered run must end bitwise
+computing a contiguous range of every step's micro-batches (runtime/pp/parallel.py). The recovered run must end bitwise
 equal to the failure-free run on every rank, and the survivors must keep their processes.
 """
 

@@ -3,7 +3,7 @@
     python abortable_worker.py RANK WORLD INIT_FILE OUT_JSON SCENARIO
 
 Scenarios (world 3, gloo on CPU):
-  exact  DDP with its built-in all-reduce against the same DDP rebound by swiftrun (runtime/ddp.py ``rebind``:
+  exact  DDP with its built-in all-reduce against the same DDP rebound by swiftrun (runtime/comm/ddp.py ``rebind``:
          the abortable hook and buffer broadcast), 5 steps from the same weights and batches: every step's
          gradients, and the BatchNorm buffers at the end, must be equal bit for bit (world 3: DDP's scaling by 1/3
          is not a division).
@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from swiftrun.runtime import abortable, ddp as ddp_tools
+from swiftrun.runtime.comm import abortable
+
+from swiftrun.runtime.comm import ddp as ddp_tools
 
 torch.set_num_threads(1)
 DEADLINE = 20.0  # seconds; the group's collective timeout is far longer, so only the abort can end the waits

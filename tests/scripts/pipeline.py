@@ -28,7 +28,7 @@ def stage_module(stage: int, hidden: int, dropout: float, seed: int) -> nn.Modul
 
 class Counted(nn.Sequential):
     """A stage that counts its forwards (a side effect that changes nothing the model computes): parallel replay
-    must see it and replay the stage alone (runtime/pp_parallel.py, side_state)."""
+    must see it and replay the stage alone (runtime/pp/parallel.py, side_state)."""
 
     def __init__(self, *layers: nn.Module) -> None:
         super().__init__(*layers)

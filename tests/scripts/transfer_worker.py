@@ -25,8 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime import digest as D
-from swiftrun.runtime import transfer as T
+from swiftrun.runtime.state import digest as D
+from swiftrun.runtime.state import transfer as T
 
 torch.set_num_threads(1)
 

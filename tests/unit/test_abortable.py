@@ -1,4 +1,4 @@
-"""PendingOps: the waits an ABORT ends whatever gloo does (runtime/abortable.py), with plain torch futures."""
+"""PendingOps: the waits an ABORT ends whatever gloo does (runtime/comm/abortable.py), with plain torch futures."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from swiftrun.runtime import abortable
-from swiftrun.runtime.abortable import PendingOps
+from swiftrun.runtime.comm import abortable
+from swiftrun.runtime.comm.abortable import PendingOps
 
 pytestmark = pytest.mark.timeout(30)
 

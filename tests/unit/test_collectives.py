@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftrun.runtime import collectives
+from swiftrun.runtime.comm import collectives
 
 pytestmark = pytest.mark.timeout(30)
 

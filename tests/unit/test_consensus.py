@@ -1,4 +1,4 @@
-"""The recovery point (swiftrun.runtime.consensus.plan_recovery): who wins, who receives, who undoes.
+"""The recovery point (swiftrun.runtime.dp.consensus.plan_recovery): who wins, who receives, who undoes.
 
 Notation in the examples: ``at(rank, updates)`` is a survivor on a step boundary, ``partial(rank, updates)`` one
 that applied update ``updates`` but was stopped before the end of that step, ``new(rank)`` a fresh replacement.
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.consensus import Plan, RankStatus, buffers_held, plan_recovery
+from swiftrun.runtime.dp.consensus import Plan, RankStatus, buffers_held, plan_recovery
 
 MODES = ("auto", "roll-forward", "undo")
 

@@ -19,7 +19,7 @@ from swiftrun.launcher import _check_free, wait_reachable, wire
 from swiftrun.launcher.coordinator import Coordinator, fingerprint
 from swiftrun.launcher.actions import Finish, Spawn
 from swiftrun.launcher.wire import NodeKind, ReportKind
-from swiftrun.protocol import EventKind
+from swiftrun.protocol.control import EventKind
 from tests.helpers import wait_until
 from tests.integration.multinode_support import free_port_pair
 

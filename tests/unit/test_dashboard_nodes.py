@@ -19,7 +19,7 @@ from swiftrun.launcher import view
 from swiftrun.launcher.actions import Spawn
 from swiftrun.launcher.job import Job
 from swiftrun.launcher.nodes import NodeTable
-from swiftrun.protocol import EventKind
+from swiftrun.protocol.control import EventKind
 from swiftrun.snapshot import JobState, NodeSlotState, NodeView, RankView, WorkerState
 from tests.unit.test_dashboard import HEIGHT, assert_fits, healthy_rank, plain_lines, rendered, snapshot
 from tests.unit.test_job import _no_dns  # noqa: F401  (fixture)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from swiftrun.runtime import ddp as ddp_tools
+from swiftrun.runtime.comm import ddp as ddp_tools
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from swiftrun.runtime import digest as D
+from swiftrun.runtime.state import digest as D
 
 
 def state():

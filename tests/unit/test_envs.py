@@ -193,7 +193,7 @@ def test_the_launcher_environment_is_not_modified():
 
 
 def test_the_runtime_reads_the_launchers_deadlines_and_derives_its_waits_from_them(monkeypatch):
-    from swiftrun.runtime.env import WorkerEnv
+    from swiftrun.runtime.worker.env import WorkerEnv
 
     c = config(nproc_per_node=2, timeouts=Timeouts(heartbeat_timeout=8, recovery_timeout=40, startup_timeout=90))
     env = envs.worker_environ(c, ENDS, 1, attempt=0, incarnation=0, generation=0, joining=False)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from swiftrun.runtime.group import GroupManager
+from swiftrun.runtime.comm.group import GroupManager
 
 
 @pytest.mark.timeout(10)

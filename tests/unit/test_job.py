@@ -19,7 +19,7 @@ from swiftrun.events import EventName
 from swiftrun.launcher import failures
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
 from swiftrun.launcher.job import EXIT_GRACE, RESEND_INTERVAL, SETUP_GRACE, Job
-from swiftrun.protocol import CommandKind, EventKind
+from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
 SCRIPT = Entrypoint(EntrypointKind.SCRIPT, "train.py")
@@ -869,7 +869,7 @@ def test_an_exhausted_recovery_budget_falls_back_to_restarting_every_worker():
 
 def test_a_restart_after_an_in_place_recovery_keeps_the_generation_in_spawns_and_commands():
     """The generation never goes back: restarted workers are started in it and every command carries it (the
-    runtime must treat it as its base generation, not as an abort; see the report on runtime/recovery.py)."""
+    runtime must treat it as its base generation, not as an abort; see the report on runtime/core/recovery.py)."""
     sim = swift_running(2, spares=0, max_recoveries=1, max_restarts=1)
     _recover_fully(sim, 1)
     old = sim.rank_slots()

@@ -9,10 +9,10 @@ import time
 import pytest
 import zmq
 
-from swiftrun import protocol
-from swiftrun.protocol import CommandKind, EventKind
-from swiftrun.runtime.env import WorkerEnv
-from swiftrun.runtime.link import Link
+from swiftrun.protocol import control as protocol
+from swiftrun.protocol.control import CommandKind, EventKind
+from swiftrun.runtime.worker.env import WorkerEnv
+from swiftrun.runtime.worker.link import Link
 
 
 class Launcher:

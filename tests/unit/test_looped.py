@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from swiftrun.pipeline.looped import edge_of, logged_virtual_boundaries, looped_owner, position_input
-from swiftrun.pipeline.planner import LoggingPlan, PlanError, PlanInput, choose_plan, evaluate, tradeoff_curve
+from swiftrun.logplan.looped import edge_of, logged_virtual_boundaries, looped_owner, position_input
+from swiftrun.logplan.planner import LoggingPlan, PlanError, PlanInput, choose_plan, evaluate, tradeoff_curve
 
 
 def ring(times: list[float], sizes: list[int], wrap: int, ckpt_every: int = 1, **options: object) -> PlanInput:
@@ -181,7 +181,7 @@ def test_placements_that_are_not_a_ring_of_neighbours() -> None:
     assert edge_of(3, 0, 4) == 3 and edge_of(0, 3, 4) == 3 and edge_of(1, 3, 4) is None
 
 
-# --- the runtime's aggregation (swiftrun/runtime/pp_logplan.py) ---------------------------------------------------
+# --- the runtime's aggregation (swiftrun/runtime/pp/selective.py) ---------------------------------------------------
 
 
 def _row(position: int, stages: list[int], compute: float, sent: dict[int, int], positions: int = 4) -> dict:
@@ -190,7 +190,7 @@ def _row(position: int, stages: list[int], compute: float, sent: dict[int, int],
 
 
 def test_profiles_of_an_interleaved_dp_by_pp_job_are_averaged_per_position() -> None:
-    from swiftrun.runtime.pp_logplan import plan_input
+    from swiftrun.runtime.pp.selective import plan_input
 
     rows = []
     for replica, scale in ((0, 1), (1, 3)):  # two pipelines; their measurements are averaged

@@ -10,7 +10,7 @@ from swiftrun.launcher import wire
 from swiftrun.events import EventName
 from swiftrun.launcher.actions import Assign, Finish, Kill, Record, Send, Spawn
 from swiftrun.launcher.nodes import Accepted, NodeState, NodeTable, Refused
-from swiftrun.protocol import CommandKind, EventKind
+from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.snapshot import JobState, WorkerState
 from tests.unit.test_job import _no_dns, of, sends, Sim  # noqa: F401  (fixture)
 

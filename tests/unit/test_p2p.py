@@ -1,4 +1,4 @@
-"""Hand-written P2P pipelines (runtime/p2p.py): message keys, adjacency, and the tap in one process."""
+"""Hand-written P2P pipelines (runtime/pp/p2p.py): message keys, adjacency, and the tap in one process."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime import collectives, p2p
-from swiftrun.runtime.registry import RegistrationError
+from swiftrun.runtime.comm import collectives
+from swiftrun.runtime.pp import p2p
+from swiftrun.runtime.state.registry import RegistrationError
 
 pytestmark = pytest.mark.timeout(30)
 

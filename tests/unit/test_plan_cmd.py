@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swiftrun import cli
-from swiftrun.pipeline.plan_cmd import (
+from swiftrun.cli.plan import (
     PLOT_INSTALL_HINT,
     build_input,
     load_profile,
@@ -19,7 +19,7 @@ from swiftrun.pipeline.plan_cmd import (
     profile_to_dict,
     shown_rows,
 )
-from swiftrun.pipeline.planner import PlanError, PlanInput, choose_plan, tradeoff_curve
+from swiftrun.logplan.planner import PlanError, PlanInput, choose_plan, tradeoff_curve
 
 GiB = 2**30
 NUMBERS = ["--stages", "10,1,1,4", "--boundary-bytes", "256MiB,256MiB,128MiB", "--ckpt-every", "100"]

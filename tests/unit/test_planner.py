@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swiftrun.errors import ConfigError
-from swiftrun.pipeline.planner import (
+from swiftrun.logplan.planner import (
     LoggingPlan,
     PlanError,
     PlanInput,

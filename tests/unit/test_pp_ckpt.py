@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime import collectives, pp_ckpt
-from swiftrun.runtime.pp_ckpt import Exchange, ExchangeState, FlatSnapshots, Packed
+from swiftrun.runtime.comm import collectives
+
+from swiftrun.runtime.pp import ckpt as pp_ckpt
+from swiftrun.runtime.pp.ckpt import Exchange, ExchangeState, FlatSnapshots, Packed
 
 
 def test_a_snapshot_is_out_of_reach_of_later_updates_and_unpacks_to_the_same_tree(tmp_path):

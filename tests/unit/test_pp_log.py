@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from swiftrun.runtime.pp_log import LogStore
+from swiftrun.runtime.pp.log import LogStore
 
 
 def entry(step: int, value: float) -> tuple[tuple, torch.Tensor]:

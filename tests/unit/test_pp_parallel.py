@@ -1,5 +1,5 @@
 """Parallel replay's pieces in one process: micro-batch ranges, who helps, and the gradient fold being bitwise
-equal to autograd's own accumulation over the micro-batches (runtime/pp_parallel.py)."""
+equal to autograd's own accumulation over the micro-batches (runtime/pp/parallel.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward
 
-from swiftrun.runtime import pp_parallel
-from swiftrun.runtime.pipeline import _generators, _mix
-from swiftrun.runtime.pp_plan import PipePlan, Replay
+from swiftrun.runtime.pp import parallel as pp_parallel
+from swiftrun.runtime.pp.pipeline import _generators, _mix
+from swiftrun.runtime.pp.plan import PipePlan, Replay
 
 
 def test_ranges_are_contiguous_and_cover_every_micro_batch():

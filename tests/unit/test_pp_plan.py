@@ -1,11 +1,11 @@
-"""The pipeline recovery plan (runtime/pp_plan.py): a pure function of what the ranks report."""
+"""The pipeline recovery plan (runtime/pp/plan.py): a pure function of what the ranks report."""
 
 from __future__ import annotations
 
 import pytest
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.pp_plan import DISK, StageStatus, plan_pipeline
+from swiftrun.runtime.pp.plan import DISK, StageStatus, plan_pipeline
 
 PIPE = (0, 1, 2, 3)
 
@@ -191,7 +191,7 @@ def test_nobody_valid_is_refused():
 
 
 def test_pipeline_shape_problems_are_named():
-    from swiftrun.runtime.pipeline import pipeline_problem
+    from swiftrun.runtime.pp.pipeline import pipeline_problem
 
     good = [{"rank": r, "stages": (r,), "num_stages": 4, "microbatches": 4} for r in range(4)]
     assert pipeline_problem(good) is None

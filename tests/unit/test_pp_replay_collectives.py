@@ -1,4 +1,4 @@
-"""The script's collectives inside a replayed step (runtime/pipeline.py ``Pipeline.collective``): which run live
+"""The script's collectives inside a replayed step (runtime/pp/pipeline.py ``Pipeline.collective``): which run live
 among the replaying ranks, which are served from a neighbour's log, which are refused. One process, a world of
 one for the groups; the pipeline's other state is stubbed (a pure routing rule)."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.pipeline import Pipeline
+from swiftrun.runtime.pp.pipeline import Pipeline
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def world_of_one():
 
 
 def replaying(together: set[int], server: int | None, logged: dict) -> Pipeline:
-    """A pipeline replaying step 4 in a job of 4 ranks, as runtime/pp_handover.py leaves it."""
+    """A pipeline replaying step 4 in a job of 4 ranks, as runtime/pp/handover.py leaves it."""
     pp = Pipeline.__new__(Pipeline)
     pp.rec = SimpleNamespace(step=4, world_size=4)
     pp._coll_seq = 0

@@ -1,4 +1,4 @@
-"""The control protocol's wire format (swiftrun.protocol): encode/decode and what counts as malformed."""
+"""The control protocol's wire format (swiftrun.protocol.control): encode/decode and what counts as malformed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from swiftrun.errors import ProtocolError
-from swiftrun.protocol import (
+from swiftrun.protocol.control import (
     PROTOCOL_VERSION,
     Ack,
     Command,

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swiftrun.runtime import transfer as T
-from swiftrun.runtime.blocks import element_blocks
+from swiftrun.runtime.state import transfer as T
+from swiftrun.runtime.state.blocks import element_blocks
 
 CPU = torch.device("cpu")
 
@@ -389,7 +389,7 @@ def _trained(seed):
 
 @pytest.mark.parametrize("survivor", [True, False])
 def test_install_into_own_model_and_optimizer(survivor):
-    from swiftrun.runtime.destinations import destination_from, own_tensors
+    from swiftrun.runtime.state.destinations import destination_from, own_tensors
 
     src_model, src_opt = _trained(0)
     tree = {"models": [src_model.state_dict()], "optimizers": [src_opt.state_dict()]}
@@ -406,7 +406,7 @@ def test_install_into_own_model_and_optimizer(survivor):
     opt.load_state_dict(result["optimizers"][0])
     for (a, b) in zip(model.state_dict().values(), src_model.state_dict().values()):
         assert same_bits(a, b)
-    from swiftrun.runtime.destinations import optimizer_params
+    from swiftrun.runtime.state.destinations import optimizer_params
 
     for p, q in zip(optimizer_params(opt), optimizer_params(src_opt)):
         for key in ("exp_avg", "exp_avg_sq", "step"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from swiftrun.runtime.registry import Registry, RegistrationError, plain, unwrap
-from swiftrun.runtime.txn import PreStepCopy, Transaction
+from swiftrun.runtime.state.registry import Registry, RegistrationError, plain, unwrap
+from swiftrun.runtime.core.txn import PreStepCopy, Transaction
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,7 +81,7 @@ def test_rng_of_the_step_is_kept():
     random.seed(5)
     txn.begin(7)
     expected = (torch.rand(3), random.random())
-    from swiftrun.runtime.txn import set_rng_state
+    from swiftrun.runtime.core.txn import set_rng_state
 
     set_rng_state(txn.rng_for(7))
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
@@ -212,7 +212,7 @@ def test_numpy_state_read_cheaply_is_always_the_full_state():
     """The reader reuses its last full read only while NumPy's raw generator state is unchanged and the Gaussian
     cache was empty: after every kind of use it must equal np.random.get_state() exactly."""
     np = pytest.importorskip("numpy")
-    from swiftrun.runtime.txn import NumpyGlobalState
+    from swiftrun.runtime.core.txn import NumpyGlobalState
 
     np.random.seed(3)
     reader = NumpyGlobalState(np.random)
@@ -242,7 +242,7 @@ def test_numpy_state_read_cheaply_is_always_the_full_state():
 
 def test_rng_state_restores_numpy_python_and_torch_bitwise():
     np = pytest.importorskip("numpy")
-    from swiftrun.runtime.txn import rng_state, set_rng_state
+    from swiftrun.runtime.core.txn import rng_state, set_rng_state
 
     np.random.seed(1)
     np.random.standard_normal(1)  # a cached Gaussian travels too
@@ -257,7 +257,7 @@ def test_rng_state_restores_numpy_python_and_torch_bitwise():
 
 
 def test_one_walk_finds_the_buffers_and_version_counters_named_buffers_and_parameters_give():
-    from swiftrun.runtime.txn import buffers_and_versions
+    from swiftrun.runtime.core.txn import buffers_and_versions
 
     shared = nn.BatchNorm1d(3)
     model = nn.Sequential(nn.Linear(3, 3), shared, nn.Sequential(shared, nn.Linear(3, 3)))

@@ -1,4 +1,4 @@
-"""Tests for update-undo (swiftrun.runtime.undo): inverting the last SGD/Adam/AdamW step in place.
+"""Tests for update-undo (swiftrun.runtime.core.undo): inverting the last SGD/Adam/AdamW step in place.
 
 Each grid case trains a few steps on three random tensors, snapshots parameters and optimizer state before the
 last step, captures, steps, undoes, and compares with the snapshot. Precision is asserted three ways:
@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.undo import (
+from swiftrun.runtime.core.undo import (
     GradCopies,
     StepRecord,
     UndoUnavailable,

@@ -9,9 +9,9 @@ import pytest
 
 from swiftrun.errors import ProtocolError
 from swiftrun.launcher.zygote import FORK_ANSWER_TIMEOUT, ZygoteClient, ZygoteState
-from swiftrun.runtime import zygote_wire as wire
+from swiftrun.protocol import zygote as wire
 from swiftrun.runtime.zygote import thread_count
-from swiftrun.runtime.zygote_wire import ZygoteKind
+from swiftrun.protocol.zygote import ZygoteKind
 
 
 def test_messages_round_trip():
@@ -116,7 +116,7 @@ def test_a_cold_spare_warms_up_in_an_idle_thread_and_its_main_thread_keeps_norma
     user's script after ASSIGN, must never be lowered (only the warm-up thread is)."""
     import threading
 
-    from swiftrun.protocol import Command, CommandKind
+    from swiftrun.protocol.control import Command, CommandKind
     from swiftrun.runtime import bootstrap
 
     if not hasattr(os, "SCHED_IDLE"):

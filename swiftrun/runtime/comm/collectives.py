@@ -1,0 +1,252 @@
+"""The collectives a script issues itself (``dist.all_reduce`` of a metric, a barrier around a checkpoint), made
+to survive a peer's failure wherever that can be exact.
+
+DDP's gradient all-reduce runs inside the guarded body of a step, where ``Run.guard`` repairs a failure. But
+scripts also call collectives elsewhere: an evaluation that all-reduces its metric after the guard, ``if rank ==
+0: save(); dist.barrier()``, a final barrier after the loop. An aborted process group fails those too, and
+without help every survivor would die with it. So the runtime wraps torch.distributed's collective functions:
+
+- inside the guarded body, and in code of a step before its guard: the call goes through unchanged; a failure
+  propagates to the guard (before the guard nothing can repair it; said once per call site);
+- outside a step's body (the tail of an iteration after its guard, evaluation, between steps): a failure, or an
+  abort that arrived before the call, is repaired right there: the rank joins the recovery, then the call is
+  *skipped*, and so is every later collective of the same iteration, since the replacement is not running that
+  iteration's tail and would never match them. A skipped call leaves this rank's own values in place
+  (all-reduce: the local value; all-gather: the local value in every slot), says so once per call site, and the
+  whole state is verified when the next step begins (a scheduler fed a local metric would show up there);
+- after training (every rank released from the loop): a failure is reported and the call skipped; the job
+  completed training, and a dead peer must not turn the script's tail into a crash.
+
+Calls made by swiftrun itself run under :func:`internal` and bypass all of this, as do calls nested inside a
+wrapped call (``broadcast_object_list`` calls ``broadcast``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from swiftrun.runtime.comm import abortable
+
+from swiftrun.runtime.worker import faults
+
+from swiftrun.runtime.comm import subgroups
+
+if TYPE_CHECKING:
+    from swiftrun.runtime.core.recovery import Recovery
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+)
+
+_recovery: Recovery | None = None
+# per thread: > 0 while swiftrun's own or an outer wrapped collective runs in it (per thread, because the
+# pipeline's background checkpoint exchange runs swiftrun's traffic while the script's step runs on)
+_local = threading.local()
+_said: set[tuple[str, str]] = set()
+_owned: tuple[int, set[int]] = (-2, set())  # (step, storages of registered state) for _touches_state
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runtime root: all of swiftrun.runtime
+
+
+def install(recovery: Recovery) -> None:
+    """Route the script's collectives through ``recovery`` (idempotent: the functions are wrapped once)."""
+    global _recovery
+    _recovery = recovery
+    for module in (dist, dist.distributed_c10d):
+        for name in COLLECTIVES:
+            fn = getattr(module, name, None)
+            if fn is not None and not getattr(fn, "_swiftrun_wrapped", False):
+                setattr(module, name, _wrap(name, fn))
+        destroy = getattr(module, "destroy_process_group")
+        if not getattr(destroy, "_swiftrun_wrapped", False):
+            setattr(module, "destroy_process_group", _wrap_destroy(destroy))
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """swiftrun's own collectives (recovery, verification): never intercepted (in the calling thread)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def bypassed() -> bool:
+    """Whether this thread runs swiftrun's own traffic (or a call nested in a wrapped one) right now."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rec = _recovery
+        if subgroups.count():  # a group the script holds may be one a recovery replaced
+            args, kwargs = _current_groups(args, kwargs)
+        if rec is None or bypassed():
+            return fn(*args, **kwargs)
+        with internal():
+            return _call(rec, name, functools.partial(_abortable, name, fn), args, kwargs)
+
+    wrapper._swiftrun_wrapped = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _abortable(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The script's call, its wait ended by an ABORT even where gloo would not end it (runtime/comm/abortable.py)."""
+    return abortable.call(name, fn, args, kwargs)
+
+
+def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def destroy(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - tearing down a group a recovery already aborted may complain
+            if _recovery is None or not (_recovery.released or _recovery._aborted()):
+                raise
+            return None
+
+    destroy._swiftrun_wrapped = True  # type: ignore[attr-defined]
+    return destroy
+
+
+def _call(rec: Recovery, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    faults.fire("collective", max(rec.step, 0))
+    if rec.released:  # the script's tail after training: report a dead peer, never die of it
+        if rec._aborted():
+            return _skip(name, args, kwargs, "a peer failed after training had completed")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if not _peer_failure(exc) and not rec._aborted():
+                raise
+            return _skip(name, args, kwargs, "a peer failed after training had completed")
+    pipeline = rec.pipeline
+    if pipeline is not None and pipeline.replay is not None:  # this rank runs alone: nobody would answer
+        if rec.in_step:
+            return pipeline.collective(name, fn, args, kwargs)
+        return _skip(name, args, kwargs, "this rank was replaying its pipeline stage alone")
+    if rec.aborted_iteration:
+        return _skip(name, args, kwargs, "a recovery interrupted this iteration")
+    if rec.in_step:
+        if _touches_state(rec, args, kwargs):
+            rec.note_collective_on_state()
+        if not rec.in_guard:
+            _say_once(name, "is issued inside a step but before `with run.guard()`: a failure there cannot be "
+                            "recovered in place; move it into the guarded body")
+        if pipeline is not None:  # its result is logged: a stage that replays later cannot recompute it alone
+            return pipeline.collective(name, fn, args, kwargs)
+        return fn(*args, **kwargs)
+    if rec.in_guard:  # a second guard after the step (evaluation): the guard repairs a failure
+        return fn(*args, **kwargs)
+    if rec._aborted():
+        rec.recover_here()
+        return _skip(name, args, kwargs, "a recovery interrupted this iteration")
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a peer's failure is repaired here; the script's own error is not
+        if not rec.caused_by_peer_failure(exc):
+            raise
+    rec.recover_here()
+    return _skip(name, args, kwargs, "a recovery interrupted this iteration")
+
+
+def _current_groups(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Swap every process group argument for its current generation's counterpart (runtime/comm/subgroups.py)."""
+    group_type = dist.ProcessGroup
+    args = tuple(subgroups.current(a) if isinstance(a, group_type) else a for a in args)
+    if isinstance(kwargs.get("group"), group_type):
+        kwargs = {**kwargs, "group": subgroups.current(kwargs["group"])}
+    return args, kwargs
+
+
+def _peer_failure(exc: BaseException) -> bool:
+    from swiftrun.runtime.core.recovery import _PEER_FAILURE_MARKERS
+
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+class _Done:
+    """The handle an ``async_op=True`` call returns when the call was skipped: already complete."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def _skip(name: str, args: tuple, kwargs: dict, why: str) -> Any:
+    """Leave this rank's own values where the collective would have written everyone's."""
+    _say_once(name, f"was skipped ({why}); its result is this rank's own value")
+    if name in ("all_gather", "all_gather_object"):
+        outputs, value = _arg(args, kwargs, 0, "tensor_list" if name == "all_gather" else "object_list"), \
+            _arg(args, kwargs, 1, "tensor" if name == "all_gather" else "obj")
+        for i in range(len(outputs)):
+            if isinstance(value, torch.Tensor):
+                outputs[i].copy_(value)
+            else:
+                outputs[i] = value
+    elif name == "all_gather_into_tensor":
+        output, value = _arg(args, kwargs, 0, "output_tensor"), _arg(args, kwargs, 1, "input_tensor")
+        output.view(-1, *value.shape)[:] = value
+    return _Done() if kwargs.get("async_op") else None
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs[name]
+
+
+def _touches_state(rec: Recovery, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor argument shares storage with registered state (an in-place collective on the model)."""
+    tensors = abortable.tensor_args(args, kwargs)
+    if not tensors:
+        return False
+    global _owned
+    if _owned[0] != rec.step:  # once per step: optimizer state appears lazily, at the first optimizer step
+        owned = {t.untyped_storage().data_ptr() for t in rec.reg.parameters()}
+        owned |= {b.untyped_storage().data_ptr() for m in rec.reg.models for b in m.buffers()}
+        for opt in rec.reg.optimizers:
+            owned |= {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor)}
+        _owned = (rec.step, owned)
+    return any(t.untyped_storage().data_ptr() in _owned[1] for t in tensors)
+
+
+def _say_once(name: str, what: str) -> None:
+    site = _call_site()
+    key = (site, what.split(" ", 1)[0])
+    if key in _said:
+        return
+    _said.add(key)
+    from swiftrun.runtime.worker.process import warn
+
+    warn(f"dist.{name} at {site} {what}")
+
+
+def _call_site() -> str:
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_HERE) and not path.startswith(torch_dir) and "contextlib" not in path:
+            return f"{os.path.basename(path)}:{frame.lineno}"
+    return "?"

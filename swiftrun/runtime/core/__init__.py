@@ -1,0 +1,1 @@
+"""The step transaction, undo, and the generation loop of a recovery."""

@@ -1,0 +1,1 @@
+"""Data-parallel recovery: consensus on the iteration, DDP's broadcast buffers."""

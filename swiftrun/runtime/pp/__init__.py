@@ -1,0 +1,1 @@
+"""Pipeline recovery: boundary logs, stage checkpoints, replay and parallel replay."""

@@ -1,0 +1,1 @@
+"""The training state: registry, tensor trees, transfer between ranks, digests and verification."""

@@ -1,0 +1,1 @@
+"""The worker's plumbing: its environment, its link to the agent, process helpers, injected faults."""
