@@ -18,7 +18,7 @@ __all__ = ["Run", "Stage", "ResumableDistributedSampler", "report", "under_swift
 
 _LAZY = {
     "Run": ("swiftrun.runtime.api", "Run"),
-    "Stage": ("swiftrun.runtime.p2p", "Stage"),
+    "Stage": ("swiftrun.runtime.pp.p2p", "Stage"),
     "ResumableDistributedSampler": ("swiftrun.runtime.sampler", "ResumableDistributedSampler"),
     "report": ("swiftrun.runtime.api", "report"),
     "under_swiftrun": ("swiftrun.runtime.worker.env", "under_swiftrun"),

@@ -88,7 +88,7 @@ class Pipeline:
 
     def __init__(self, rec: Any, spec: Any, checkpoint_every: int) -> None:
         self.rec = rec
-        from swiftrun.runtime.p2p import P2PTap, Stage
+        from swiftrun.runtime.pp.p2p import P2PTap, Stage
 
         # the tap that sees the stage boundaries: torch pipelining's stage factories (wrapped below), or the
         # script's own point-to-point calls (runtime/pp/p2p.py); the log, checkpoints and replay are shared
@@ -110,7 +110,7 @@ class Pipeline:
         self.own_prev: tuple[int, Packed] | None = None
         self.force_checkpoint = False
         self.replay: dict[str, Any] | None = None  # {"until", "log", "coll", "gen", ...} while replaying
-        self.parallel: Any = None  # runtime/pp_parallel.Leader while helpers replay with this rank
+        self.parallel: Any = None  # runtime/pp/parallel.Leader while helpers replay with this rank
         self.volume: dict[tuple[int, int], int] = {}  # (from, to) stage -> bytes logged in the last full step
         self._volume_now: dict[tuple[int, int], int] = {}
         # selective logging (runtime/pp/selective.py): the boundaries logged (None: all) and the logging groups,
