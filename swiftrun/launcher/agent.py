@@ -25,13 +25,14 @@ from typing import Any
 import zmq
 
 from swiftrun.protocol import control as protocol
+from swiftrun.protocol.errorfile import read_error_file
 from swiftrun.config import EntrypointKind, LaunchConfig
 from swiftrun.errors import LaunchError, ProtocolError
 from swiftrun.dashboard.live import Dashboard
 from swiftrun.events import EventLog, EventName
 from swiftrun.launcher import envs, procs, view
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
-from swiftrun.launcher.failures import format_late_failures, format_summary, read_error_file
+from swiftrun.launcher.failures import format_late_failures, format_summary
 from swiftrun.launcher.job import Job
 from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
 from swiftrun.launcher.script import uses_swiftrun

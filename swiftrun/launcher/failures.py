@@ -3,27 +3,24 @@
 A :class:`ProcessFailure` is what the launcher knows about one worker that died or was killed: who it was,
 how it ended and, when the worker told us, its traceback. :func:`format_summary` prints the same block torchrun
 prints when a job fails (``torch/distributed/elastic/multiprocessing/errors``), so that people and log scrapers
-used to torchrun find what they expect. :func:`write_error_file` / :func:`read_error_file` speak the JSON format of
-torch's ``@record`` error files (``TORCHELASTIC_ERROR_FILE``), so that a worker decorated with ``@record`` under
-torchrun reports its traceback the same way under swiftrun.
+used to torchrun find what they expect. A worker's traceback comes from torch's ``@record`` error file, whose
+format lives in :mod:`swiftrun.protocol.errorfile` because the runtime writes it.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import socket
-import tempfile
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
+
+from swiftrun.protocol.errorfile import read_error_file
 
 __all__ = [
-    "ProcessFailure", "root_cause", "format_summary", "format_late_failures", "write_error_file", "read_error_file",
+    "ProcessFailure", "root_cause", "format_summary", "format_late_failures",
 ]
 
 NOT_AVAILABLE = "<N/A>"
@@ -159,53 +156,3 @@ def _traceback_text(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         return f"Signal {-failure.exitcode} ({failure.signal_name() or NOT_AVAILABLE}) received by PID {failure.pid}"
     return NO_TRACEBACK_HINT
-
-
-def write_error_file(
-    path: str | os.PathLike[str], exc_type: str | type[BaseException], message: str, traceback_text: str
-) -> None:
-    """Write an error file in the format of torch's ``@record`` (``ErrorHandler.record_exception``).
-
-    The file is written to a temporary name and renamed, so a reader never sees half of it.
-    """
-    type_name = exc_type if isinstance(exc_type, str) else exc_type.__name__
-    data = {
-        "message": {
-            "message": f"{type_name}: {message}",
-            "extraInfo": {"py_callstack": traceback_text, "timestamp": str(int(time.time()))},
-        }
-    }
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as fp:
-            json.dump(data, fp)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def read_error_file(path: str | os.PathLike[str]) -> str | None:
-    """The traceback recorded in an error file (else its message), or None if there is no usable file.
-
-    Accepts both layouts torch reads: ``{"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}`` and
-    the newer ``{"message": "...", "timestamp": ...}``.
-    """
-    try:
-        with open(path) as fp:
-            data = json.load(fp)
-    except (OSError, ValueError):
-        return None
-    message = data.get("message") if isinstance(data, dict) else None
-    if isinstance(message, str):
-        return message or None
-    if not isinstance(message, dict):
-        return None
-    extra = message.get("extraInfo")
-    callstack = extra.get("py_callstack") if isinstance(extra, dict) else None
-    if isinstance(callstack, str) and callstack:
-        return callstack
-    text = message.get("message")
-    return text if isinstance(text, str) and text else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from swiftrun.runtime.worker import process
 
@@ -78,7 +78,7 @@ class Run:
         from swiftrun.runtime.state.registry import _as_list  # noqa: PLC2701
 
         self._recovery = Recovery(self._rt, model, _as_list(optimizer), _as_list(scheduler), scaler, state,
-                                  pipeline=pipeline, checkpoint_every=checkpoint_every)
+                                  strategy=_strategy(pipeline, checkpoint_every))
         self._next = self._recovery.start()
 
     @property
@@ -147,7 +147,7 @@ class Run:
             rec.next_step = rec.recover()
             return
         rec.in_guard = False
-        if rec.in_step and rec._aborted():
+        if rec.in_step and rec.aborted():
             # the body returned normally although the generation was aborted (the script caught the failed
             # collective itself): the step did not complete, so it is recovered and redone, never marked done
             rec.next_step = rec.recover()
@@ -257,3 +257,13 @@ class _PerSampleSeeds:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
+
+def _strategy(pipeline: Any, checkpoint_every: int | None) -> Callable[[Any], Any]:
+    """The recovery strategy of this job's kind of parallelism, chosen once (runtime/core/strategy.py)."""
+    if pipeline is not None:
+        from swiftrun.runtime.pp.recovery import PipelineRecovery
+
+        return lambda rec: PipelineRecovery(rec, pipeline, checkpoint_every)
+    from swiftrun.runtime.dp.recovery import DataParallel
+
+    return DataParallel

@@ -22,7 +22,7 @@ from types import TracebackType
 
 from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.runtime.worker import process
-from swiftrun.runtime.worker.env import WorkerEnv
+from swiftrun.runtime.worker.env import WorkerEnv, settings
 from swiftrun.runtime.worker.link import Link
 
 PR_SET_PDEATHSIG = 1
@@ -171,7 +171,7 @@ def _report_failure(link: Link | None, exc: BaseException, target: str) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
-            from swiftrun.launcher.failures import write_error_file
+            from swiftrun.protocol.errorfile import write_error_file
 
             write_error_file(error_file, type(exc).__name__, str(exc), text)
         except OSError:
@@ -199,8 +199,9 @@ def main(argv: list[str], warm: bool = False) -> None:
         sys.stderr.write("usage: python -m swiftrun.runtime.bootstrap {script|module} TARGET [ARGS...]\n")
         sys.exit(2)
     mode, target, args = argv[0], argv[1], argv[2:]
-    if os.environ.get("SWIFTRUN_LOGLEVEL"):
-        logging.basicConfig(level=os.environ["SWIFTRUN_LOGLEVEL"].upper(),
+    loglevel = settings().loglevel
+    if loglevel:
+        logging.basicConfig(level=loglevel.upper(),
                             format="%(relativeCreated)8.0fms swiftrun[%(process)d] %(message)s")
     wenv = WorkerEnv.read()
     _die_with_parent(wenv.launcher_pid)

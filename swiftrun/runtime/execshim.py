@@ -9,13 +9,14 @@ import os
 import sys
 
 from swiftrun.runtime.bootstrap import _die_with_parent
+from swiftrun.runtime.worker.env import launcher_pid
 
 
 def main(argv: list[str]) -> None:
     if not argv:
         sys.stderr.write("usage: python -m swiftrun.runtime.execshim TARGET [ARGS...]\n")
         sys.exit(2)
-    _die_with_parent(int(os.environ.get("SWIFTRUN_LAUNCHER_PID", "0") or 0))
+    _die_with_parent(launcher_pid())
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from swiftrun.errors import ProtocolError
 from swiftrun.protocol import zygote as wire
 from swiftrun.protocol.zygote import ZygoteKind
+from swiftrun.runtime.worker import env
 
 log = logging.getLogger("swiftrun.zygote")
 REPARENT_WAIT = 5.0  # seconds a forked worker waits to be reparented to the agent before giving up
@@ -226,10 +227,11 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1 or not argv[0].isdigit():
         sys.stderr.write("usage: python -m swiftrun.runtime.zygote FD (started by the swiftrun agent)\n")
         sys.exit(2)
-    if os.environ.get("SWIFTRUN_LOGLEVEL"):
-        logging.basicConfig(level=os.environ["SWIFTRUN_LOGLEVEL"].upper(),
+    loglevel = env.settings().loglevel
+    if loglevel:
+        logging.basicConfig(level=loglevel.upper(),
                             format="%(relativeCreated)8.0fms swiftrun-zygote[%(process)d] %(message)s")
-    launcher_pid = int(os.environ.get("SWIFTRUN_LAUNCHER_PID", "0") or 0)
+    launcher_pid = env.launcher_pid()
     from swiftrun.runtime.bootstrap import _die_with_parent
 
     _die_with_parent(launcher_pid)

@@ -19,10 +19,9 @@ from swiftrun.launcher.failures import (
     ProcessFailure,
     format_late_failures,
     format_summary,
-    read_error_file,
     root_cause,
-    write_error_file,
 )
+from swiftrun.protocol.errorfile import read_error_file, write_error_file
 
 T0 = 1_767_225_600.0  # a fixed wall-clock time for readable expectations
 

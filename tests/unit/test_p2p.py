@@ -41,8 +41,8 @@ def tap():
     """A one-rank gloo world whose tap believes it is stage 0 of (0, 1): nothing it tests reaches the network."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     logged: dict = {}
-    pipeline = SimpleNamespace(rec=SimpleNamespace(in_step=True, step=5), replay=None, logged=None, compute=0.0,
-                               _record=lambda key, tensor: logged.__setitem__(key, tensor.clone()))
+    pipeline = SimpleNamespace(view=SimpleNamespace(in_step=True, step=5), replay=None, logged=None, compute=0.0,
+                               record=lambda key, tensor: logged.__setitem__(key, tensor.clone()))
     try:
         t = p2p.P2PTap(pipeline, p2p.Stage(index=0, num_stages=1))  # type: ignore[arg-type]
         t.pipe = (0, 1)

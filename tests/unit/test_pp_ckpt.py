@@ -129,3 +129,18 @@ def test_internal_bypasses_only_the_calling_thread():
     release.set()
     thread.join(10)
     assert seen == {"background": True, "main": False}
+
+
+def test_a_checkpoint_written_before_the_runtime_moved_into_rooms_still_unpacks():
+    # --stage-ckpt-dir files name their slot class by module path; the path was swiftrun.runtime.pp_ckpt then
+    import pickle
+
+    packed, ready = FlatSnapshots().take({"w": torch.arange(4.0)})
+    ready()
+    skeleton = packed.skeleton.numpy().tobytes()
+    assert b"swiftrun.runtime.pp.ckpt" in skeleton
+    old = skeleton.replace(b"swiftrun.runtime.pp.ckpt", b"swiftrun.runtime.pp_ckpt")
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(old)
+    got = Packed(torch.frombuffer(bytearray(old), dtype=torch.uint8), packed.flat).unpack()
+    assert torch.equal(got["w"], torch.arange(4.0))

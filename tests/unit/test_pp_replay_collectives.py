@@ -24,7 +24,7 @@ def world_of_one():
 def replaying(together: set[int], server: int | None, logged: dict) -> Pipeline:
     """A pipeline replaying step 4 in a job of 4 ranks, as runtime/pp/handover.py leaves it."""
     pp = Pipeline.__new__(Pipeline)
-    pp.rec = SimpleNamespace(step=4, world_size=4)
+    pp.view = SimpleNamespace(step=4, world_size=4)
     pp._coll_seq = 0
     pp.coll = {}
     pp.replay = {"together": together, "server": server, "coll": logged}

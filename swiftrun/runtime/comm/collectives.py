@@ -23,24 +23,21 @@ wrapped call (``broadcast_object_list`` calls ``broadcast``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime.comm import abortable
-
+from swiftrun.runtime.comm import abortable, subgroups
+from swiftrun.runtime.comm.intercept import Done, bypassed, internal, is_peer_failure
 from swiftrun.runtime.worker import faults
-
-from swiftrun.runtime.comm import subgroups
+from swiftrun.runtime.worker.process import warn
 
 if TYPE_CHECKING:
-    from swiftrun.runtime.core.recovery import Recovery
+    from swiftrun.runtime.state.registry import Registry
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
@@ -48,16 +45,40 @@ COLLECTIVES = (
     "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
 )
 
-_recovery: Recovery | None = None
-# per thread: > 0 while swiftrun's own or an outer wrapped collective runs in it (per thread, because the
-# pipeline's background checkpoint exchange runs swiftrun's traffic while the script's step runs on)
-_local = threading.local()
+class ScriptCollectives(Protocol):
+    """What routing the script's collectives needs from the recovery loop (runtime/core/recovery.py implements
+    it): where the rank is in its step, and the two ways out, recovering here or letting the guard do it."""
+
+    reg: Registry  # the registered state (an in-place collective on it taints the step)
+    step: int
+    in_step: bool  # inside the guarded body's transaction
+    in_guard: bool
+    aborted_iteration: bool  # a recovery interrupted this iteration: its remaining collectives are skipped
+    released: bool  # training is over on every rank: the script's tail runs
+
+    @property
+    def runs_alone(self) -> bool:
+        """This rank computes without its peers (a pipeline stage replaying): nobody would answer."""
+
+    def aborted(self) -> bool: ...
+
+    def recover_here(self) -> None: ...
+
+    def caused_by_peer_failure(self, exc: BaseException) -> bool: ...
+
+    def note_collective_on_state(self) -> None: ...
+
+    def step_collective(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run a collective issued inside a step (a pipeline logs its result, or serves it in a replay)."""
+
+
+_recovery: ScriptCollectives | None = None
 _said: set[tuple[str, str]] = set()
 _owned: tuple[int, set[int]] = (-2, set())  # (step, storages of registered state) for _touches_state
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runtime root: all of swiftrun.runtime
 
 
-def install(recovery: Recovery) -> None:
+def install(recovery: ScriptCollectives) -> None:
     """Route the script's collectives through ``recovery`` (idempotent: the functions are wrapped once)."""
     global _recovery
     _recovery = recovery
@@ -69,21 +90,6 @@ def install(recovery: Recovery) -> None:
         destroy = getattr(module, "destroy_process_group")
         if not getattr(destroy, "_swiftrun_wrapped", False):
             setattr(module, "destroy_process_group", _wrap_destroy(destroy))
-
-
-@contextlib.contextmanager
-def internal() -> Iterator[None]:
-    """swiftrun's own collectives (recovery, verification): never intercepted (in the calling thread)."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
-
-def bypassed() -> bool:
-    """Whether this thread runs swiftrun's own traffic (or a call nested in a wrapped one) right now."""
-    return getattr(_local, "depth", 0) > 0
 
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -112,7 +118,7 @@ def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - tearing down a group a recovery already aborted may complain
-            if _recovery is None or not (_recovery.released or _recovery._aborted()):
+            if _recovery is None or not (_recovery.released or _recovery.aborted()):
                 raise
             return None
 
@@ -120,21 +126,20 @@ def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return destroy
 
 
-def _call(rec: Recovery, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _call(rec: ScriptCollectives, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     faults.fire("collective", max(rec.step, 0))
     if rec.released:  # the script's tail after training: report a dead peer, never die of it
-        if rec._aborted():
+        if rec.aborted():
             return _skip(name, args, kwargs, "a peer failed after training had completed")
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - sorted below
-            if not _peer_failure(exc) and not rec._aborted():
+            if not is_peer_failure(exc, chained=False) and not rec.aborted():
                 raise
             return _skip(name, args, kwargs, "a peer failed after training had completed")
-    pipeline = rec.pipeline
-    if pipeline is not None and pipeline.replay is not None:  # this rank runs alone: nobody would answer
+    if rec.runs_alone:  # nobody would answer
         if rec.in_step:
-            return pipeline.collective(name, fn, args, kwargs)
+            return rec.step_collective(name, fn, args, kwargs)
         return _skip(name, args, kwargs, "this rank was replaying its pipeline stage alone")
     if rec.aborted_iteration:
         return _skip(name, args, kwargs, "a recovery interrupted this iteration")
@@ -144,12 +149,10 @@ def _call(rec: Recovery, name: str, fn: Callable[..., Any], args: tuple, kwargs:
         if not rec.in_guard:
             _say_once(name, "is issued inside a step but before `with run.guard()`: a failure there cannot be "
                             "recovered in place; move it into the guarded body")
-        if pipeline is not None:  # its result is logged: a stage that replays later cannot recompute it alone
-            return pipeline.collective(name, fn, args, kwargs)
-        return fn(*args, **kwargs)
+        return rec.step_collective(name, fn, args, kwargs)
     if rec.in_guard:  # a second guard after the step (evaluation): the guard repairs a failure
         return fn(*args, **kwargs)
-    if rec._aborted():
+    if rec.aborted():
         rec.recover_here()
         return _skip(name, args, kwargs, "a recovery interrupted this iteration")
     try:
@@ -170,31 +173,6 @@ def _current_groups(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _peer_failure(exc: BaseException) -> bool:
-    from swiftrun.runtime.core.recovery import _PEER_FAILURE_MARKERS
-
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_FAILURE_MARKERS)
-
-
-class _Done:
-    """The handle an ``async_op=True`` call returns when the call was skipped: already complete."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-
 def _skip(name: str, args: tuple, kwargs: dict, why: str) -> Any:
     """Leave this rank's own values where the collective would have written everyone's."""
     _say_once(name, f"was skipped ({why}); its result is this rank's own value")
@@ -209,14 +187,14 @@ def _skip(name: str, args: tuple, kwargs: dict, why: str) -> Any:
     elif name == "all_gather_into_tensor":
         output, value = _arg(args, kwargs, 0, "output_tensor"), _arg(args, kwargs, 1, "input_tensor")
         output.view(-1, *value.shape)[:] = value
-    return _Done() if kwargs.get("async_op") else None
+    return Done() if kwargs.get("async_op") else None
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
     return args[index] if len(args) > index else kwargs[name]
 
 
-def _touches_state(rec: Recovery, args: tuple, kwargs: dict) -> bool:
+def _touches_state(rec: ScriptCollectives, args: tuple, kwargs: dict) -> bool:
     """Whether a tensor argument shares storage with registered state (an in-place collective on the model)."""
     tensors = abortable.tensor_args(args, kwargs)
     if not tensors:
@@ -238,8 +216,6 @@ def _say_once(name: str, what: str) -> None:
     if key in _said:
         return
     _said.add(key)
-    from swiftrun.runtime.worker.process import warn
-
     warn(f"dist.{name} at {site} {what}")
 
 

@@ -10,7 +10,7 @@ Because ranks call ``new_group`` even for groups they are not members of (torch 
 sentinel and keeps no record), the calls are recorded from the first one on: a finder on ``sys.meta_path``
 wraps ``torch.distributed.distributed_c10d.new_group`` as that module is imported (the bootstrap installs it
 before the script runs; nothing is imported early). Calls swiftrun makes itself (its transfer groups) run under
-``collectives.internal()`` and are not recorded.
+``intercept.internal()`` and are not recorded.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import importlib.abc
 import importlib.util
 import sys
 from typing import Any, Callable
+
+from swiftrun.runtime.comm import intercept
 
 _C10D = "torch.distributed.distributed_c10d"
 
@@ -31,9 +33,7 @@ _original: Callable[..., Any] | None = None
 
 
 def recording_allowed() -> bool:
-    from swiftrun.runtime.comm import collectives
-
-    return not collectives.bypassed()  # swiftrun's own groups are not the script's
+    return not intercept.bypassed()  # swiftrun's own groups are not the script's
 
 
 def _wrap(new_group: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,12 +1,16 @@
 """The worker's side of the recovery protocol (see docs/ARCHITECTURE.md, "The recovery sequence").
 
-One :class:`Recovery` per process, created by ``swiftrun.Run``. A training step is a transaction
+One :class:`Recovery` per process, created by ``swiftrun.Run`` with the :class:`~swiftrun.runtime.core.strategy.Strategy`
+of the job's kind of parallelism. A training step is a transaction
 (:mod:`~swiftrun.runtime.core.txn`): its start is snapshotted, the optimizer update inside it is tracked (and can be
 undone), and when the launcher aborts a generation every rank first settles its own state (an interrupted step is
 put back to its start; a rank whose state something untracked wrote says it is not valid), then runs:
 
-    ABORTED/JOINING -> wait RECOVER(g) -> rebuild group g -> consensus -> undo -> transfer -> rebind DDP
-    -> verify (digests of the whole state agree on every rank) -> RECOVERED(g) -> wait RESUME(g)
+    ABORTED/JOINING -> wait RECOVER(g) -> rebuild group g -> the strategy makes the ranks consistent
+    -> RECOVERED(g) -> wait RESUME(g)
+
+(data parallelism: consensus -> undo -> transfer -> rebind DDP -> verify, runtime/dp/recovery.py; a pipeline:
+the same per stage, or a replay of a stage without a replica, runtime/pp/recovery.py).
 
 A newer ABORT at any point restarts the procedure for the newer generation; what was already made consistent
 stays consistent (a rank whose state was being overwritten reports itself invalid until the transfer ends).
@@ -15,43 +19,32 @@ stays consistent (a rank whose state was being overwritten reports itself invali
 from __future__ import annotations
 
 import logging
-import os
 import time
-from typing import Any
+from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
 from swiftrun.protocol.control import CommandKind, EventKind
-from swiftrun.runtime.comm import collectives
-from swiftrun.runtime.worker import faults
-from swiftrun.runtime.core import undo
-from swiftrun.runtime.state import verify
-from swiftrun.runtime.state import tree as st
-from swiftrun.runtime.dp.consensus import Plan, RankStatus, plan_recovery
+from swiftrun.runtime.comm import collectives, intercept
 from swiftrun.runtime.comm import ddp as ddp_tools
 from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.comm.group import GroupManager
-from swiftrun.runtime.dp.buffers import BroadcastBuffers
-from swiftrun.runtime.pp.pipeline import Pipeline
-from swiftrun.runtime.pp.handover import hand_over
-from swiftrun.runtime.pp import parallel as pp_parallel
-from swiftrun.runtime.pp.plan import PipePlan, plan_pipeline
-from swiftrun.runtime.worker.process import ProcessRuntime, warn
+from swiftrun.runtime.core import undo
+from swiftrun.runtime.core.strategy import RecoveryPlan, Strategy
+from swiftrun.runtime.core.txn import PreStepCopy, Transaction, rng_state
+from swiftrun.runtime.state import verify
 from swiftrun.runtime.state.registry import Registry, RegistrationError
-from swiftrun.runtime.core.txn import PreStepCopy, Transaction, rng_state, set_rng_state
+from swiftrun.runtime.worker import faults
+from swiftrun.runtime.worker.env import settings
+from swiftrun.runtime.worker.process import ProcessRuntime, warn
 
 log = logging.getLogger("swiftrun.runtime")
-
-# gloo and NCCL errors a survivor sees when a peer dies or its group is aborted
-_PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "timed out", "broken pipe", "aborted",
-                         "connection refused", "read error", "nccl", "gloo", "peer")
 
 
 class Recovery:
     def __init__(self, rt: ProcessRuntime, model: Any, optimizers: list, schedulers: list, scaler: Any,
-                 user_state: Any, pipeline: Any = None, checkpoint_every: int | None = None) -> None:
+                 user_state: Any, strategy: Callable[[Recovery], Strategy]) -> None:
         self.rt = rt
         self.link = rt.link
         self.rank = dist.get_rank()
@@ -62,21 +55,6 @@ class Recovery:
             log.info(note)
         for message in verify.registration_warnings(self.reg):
             warn(f"{message}: a recovery cannot restore its state exactly")
-        # stages of a pipeline are not replicas: a stage one update ahead of the others must undo it, possibly
-        # after its step completed (so the last step's records and gradients are kept, as in undo mode)
-        self.pipeline: Pipeline | None = None
-        if pipeline is not None:
-            every = checkpoint_every or _env_int("SWIFTRUN_CKPT_EVERY", DEFAULT_CHECKPOINT_EVERY)
-            self.pipeline = Pipeline(self, pipeline, every)
-        # ... and where DDP broadcasts rank 0's buffers (BatchNorm statistics): rank 0 dying between its update and
-        # the next forward's broadcast takes its buffers for the next step with it, and only undoing the completed
-        # step (whose start buffers every survivor copied) stays exact (consensus.buffers_held). The cost: the
-        # last step's gradients copied once per step.
-        self.buffers = BroadcastBuffers(self)
-        self.keep_last_update = self.mode == "undo" or self.pipeline is not None or bool(self.buffers.indices)
-        # undo mode may undo a completed step, whose start is one snapshot older than the current step's
-        self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
-        self._grad_copies = undo.GradCopies()  # where those copies go, kept from step to step
         init = rt.init_kwargs or {}
         backend = init.get("backend") or dist.get_backend()
         self.group = GroupManager(self.rank, self.world_size, backend, init.get("timeout"), init.get("device_id"))
@@ -97,9 +75,10 @@ class Recovery:
         self.released = False  # every rank finished training: the script's tail runs, no more recoveries
         self.tainted = False  # a collective wrote registered state during the current step
         self.verify_next = False  # verify the whole state when the next step begins (set by consensus)
-        self.verify_every = _env_int("SWIFTRUN_VERIFY_EVERY", 0)
+        tuning = settings()
+        self.verify_every = tuning.verify_every
         # --transfer-chunk-mb; None: the transfer's default for the device (16 MiB on the CPU, 64 MiB on a GPU)
-        self.chunk_bytes = (_env_int("SWIFTRUN_TRANSFER_CHUNK_MB", 0) << 20) or None
+        self.chunk_bytes = (tuning.transfer_chunk_mb << 20) or None
         self._stepped: dict[int, int] = {}  # registered optimizer index -> steps taken in this iteration
         self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
         self._checked_first_step = False
@@ -110,8 +89,16 @@ class Recovery:
         # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
         self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.rebuilds(d) else None for d in self.reg.ddps]
         # DDP index -> the step at whose start it is rebound again with its predicted layout (a static graph
-        # recovered at point 0, see _transfer)
-        self._rebind_at: dict[int, int] = {}
+        # recovered at point 0, see runtime/dp/recovery.py)
+        self.rebind_at: dict[int, int] = {}
+        # the part of a recovery that depends on the kind of parallelism (chosen by swiftrun.Run)
+        self.strategy = strategy(self)
+        # a completed step must stay undoable (its records and gradients kept) in undo mode and wherever the
+        # strategy may undo one after its end
+        self.keep_last_update = self.mode == "undo" or self.strategy.keeps_last_update
+        # undo mode may undo a completed step, whose start is one snapshot older than the current step's
+        self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
+        self._grad_copies = undo.GradCopies()  # where those copies go, kept from step to step
         self._install_hooks()
         collectives.install(self)
 
@@ -122,21 +109,18 @@ class Recovery:
         if self.joining:
             return self.recover()
         self.link.send_event(EventKind.REGISTERED, gen=self.generation)
-        self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self._aborted())
-        if not self._aborted():
+        self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self.aborted())
+        if not self.aborted():
             try:
                 faults.fire("connect", 0)
-                with collectives.internal():
+                with intercept.internal():
                     self.group.build(self.generation, self._connect_timeout())
-                if self.pipeline is not None:
-                    self.pipeline.regroup()
-                    with collectives.internal():
-                        self.pipeline.validate()
+                self.strategy.on_start()
                 for ddp in self.reg.ddps:
                     rebind(ddp, None)
                 return 0
             except Exception:  # noqa: BLE001 - a peer died while the first group was built
-                if not self._wait_for_abort():
+                if not self.wait_for_abort():
                     raise
         return self.recover()
 
@@ -144,14 +128,13 @@ class Recovery:
 
     def begin_step(self, step: int) -> bool:
         """Snapshot the step's start; False when the generation was aborted (recover first)."""
-        if self._aborted():
+        if self.aborted():
             return False
         if self.verify_next or (self.verify_every and step > 0 and step % self.verify_every == 0):
             if not self._verify_between_steps(step):
                 return False
-        if self.pipeline is not None:
-            if not self._pipeline_step_start(step):
-                return False
+        if not self.strategy.on_step_start(step):
+            return False
         self.step = step
         self.in_step = True
         self.aborted_iteration = False
@@ -159,12 +142,12 @@ class Recovery:
         self._stepped.clear()
         self.link.step = step
         self.txn.begin(step)
-        for index, at in list(self._rebind_at.items()):
+        for index, at in list(self.rebind_at.items()):
             order = self._orders[index]
             if step >= at and order is not None and order.order is not None:
                 # every rank recorded the same order in the step before (same graph): a local, identical rebind
                 rebind(order.ddp, ddp_tools.predicted_layout(order.ddp, order.order))
-                del self._rebind_at[index]
+                del self.rebind_at[index]
         for order in self._orders:
             if order is not None and order.active and ddp_tools.rebuilt_layout(order.ddp) is not None:
                 order.close()  # DDP reports its own layout now (from its third forward on)
@@ -210,19 +193,28 @@ class Recovery:
 
     def caused_by_peer_failure(self, exc: BaseException) -> bool:
         """Whether an exception in a step comes from a peer's failure (recover) rather than from the script."""
-        if self._aborted():
+        if self.aborted():
             return True
-        if isinstance(exc, RecoveryError) and self.pipeline is not None and self.pipeline.replay is not None:
-            # the replay cannot be completed exactly (a log is missing): a refusal, said by the launcher
+        if isinstance(exc, RecoveryError) and self.strategy.runs_alone:
+            # what this rank recomputes alone cannot be completed exactly (a replay's log is missing): a refusal,
+            # said by the launcher
             self.link.send_event(EventKind.UNRECOVERABLE, gen=self.generation, reason=str(exc))
-            return self.link.wait_for(lambda: self._aborted(), timeout=self._recovery_timeout())
+            return self.link.wait_for(lambda: self.aborted(), timeout=self.recovery_timeout())
         if isinstance(exc, (faults.InjectedFault, KeyboardInterrupt, SystemExit, RegistrationError)):
             return False
-        if any(isinstance(e, RuntimeError) and any(marker in str(e).lower() for marker in _PEER_FAILURE_MARKERS)
-               for e in _chain(exc)):
+        if intercept.is_peer_failure(exc):
             # the launcher learns of the death within milliseconds (or a heartbeat timeout for a hang)
-            return self._wait_for_abort()
+            return self.wait_for_abort()
         return False
+
+    @property
+    def runs_alone(self) -> bool:
+        """Whether this rank computes without its peers right now (see Strategy.runs_alone)."""
+        return self.strategy.runs_alone
+
+    def step_collective(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A collective the script issues inside a step, as the strategy runs it (a pipeline logs its result)."""
+        return self.strategy.step_collective(name, fn, args, kwargs)
 
     def note_collective_on_state(self) -> None:
         """A collective the script issued inside the current step reads or writes registered state in place."""
@@ -241,10 +233,7 @@ class Recovery:
         """Run the recovery for the newest aborted generation; returns the step to run next."""
         self._settle()
         self.aborted_iteration = True
-        if self.pipeline is not None and self.pipeline.replay is not None:
-            self.pipeline.replay = None  # a replay interrupted by a newer failure: this state is not valid yet
-            self.pipeline.drop_parallel()
-            self.valid = False
+        self.strategy.on_abort()
         while True:
             gen = self.link.generation
             started = time.monotonic()
@@ -254,27 +243,26 @@ class Recovery:
             self.link.send_event(kind, gen=gen, valid=self.valid, completed=self.completed, partial=self.partial)
             got = self.link.wait_for(
                 lambda: self._command_for(CommandKind.RECOVER, gen) or self.link.generation > gen,
-                timeout=self._recovery_timeout(),
+                timeout=self.recovery_timeout(),
             )
             if self.link.generation > gen:
                 continue
             if not got:
                 raise RecoveryError(f"the launcher never asked generation {gen} to recover")
             try:
-                with collectives.internal():
+                with intercept.internal():
                     plan, phases = self._recover_generation(gen)
             except RecoveryError as exc:
                 self.link.send_event(EventKind.UNRECOVERABLE, gen=gen, reason=str(exc))
                 self.link.wait_for(lambda: self.link.generation > gen)  # the launcher restarts or stops the job
                 continue
             except Exception:  # noqa: BLE001 - a collective of the recovery failed: a newer abort must follow
-                if self._wait_for_abort(after=gen):
+                if self.wait_for_abort(after=gen):
                     continue
                 raise
             phases["total_local"] = time.monotonic() - started
-            if self.pipeline is not None and self.pipeline.replay is not None:
-                # this rank replays its stage alone first; it reports RECOVERED when the replay reaches the point
-                self.pipeline.replay.update(gen=gen, phases=phases, plan=plan.as_dict())
+            if self.strategy.reports_later(gen, phases, plan):
+                # this rank is not consistent yet (it replays its stage alone first): it reports RECOVERED itself
                 self.generation = gen
                 self.joining = False
                 return self.next_step
@@ -310,165 +298,21 @@ class Recovery:
         if snap is not None:
             self.txn.restore(snap)
 
-    def _recover_generation(self, gen: int) -> tuple[Plan | PipePlan, dict[str, float]]:
+    def _recover_generation(self, gen: int) -> tuple[RecoveryPlan, dict[str, float]]:
         phases: dict[str, float] = {}
         t = time.monotonic()
-        if self.pipeline is not None:  # its background exchange uses a group the rebuild destroys
-            self.pipeline.stop_exchange(self._detect_timeout())
+        self.strategy.before_rebuild()
         self.group.build(gen, self._connect_timeout())
         faults.fire("recover", max(self.step, 0))
         phases["rebuild"] = time.monotonic() - t
-        if self.pipeline is not None:
-            self.pipeline.regroup()
-            return self._recover_pipeline(phases), phases
+        self.strategy.after_rebuild()
+        return self.strategy.recover(phases), phases
 
-        t = time.monotonic()
-        plan = self._consensus()
-        phases["consensus"] = time.monotonic() - t
-
-        t = time.monotonic()
-        if self.rank in plan.undo:
-            self._undo_last_update()
-        phases["undo"] = time.monotonic() - t
-
-        t = time.monotonic()
-        for note in plan.notes:
-            if self.rank == plan.source:
-                log.info("recovery plan: %s", note)
-        canonical = self.buffers.gather(plan.point + 1, plan.source)
-        self._transfer(plan)
-        self.buffers.install(canonical)
-        phases["transfer"] = time.monotonic() - t
-        self.completed, self.partial, self.valid = plan.point, False, True
-        self.next_step = plan.point + 1
-        self._records.clear()
-        self.reg.clear_grads()
-
-        t = time.monotonic()
-        mismatches = verify.compare(self.reg, self.buffers.per_rank)
-        phases["verify"] = time.monotonic() - t
-        if mismatches:
-            raise RecoveryError("replicas differ after the recovery: " + verify.describe(mismatches))
-        self.verify_next = plan.verify_next
-        return plan, phases
-
-    def _recover_pipeline(self, phases: dict[str, float]) -> PipePlan:
-        """The pipeline's recovery: one point for every stage; a stage with a surviving replica copies it, a
-        stage without one is replayed by its replacement (see runtime/pp/plan.py)."""
-        pp = self.pipeline
-        assert pp is not None
-        t = time.monotonic()
-        mine = pp.status(self.valid, self.position, not self.partial, self._undoable(),
-                         not self.joining and not self.partial and self.step == self.completed)
-        rows: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rows, (mine, pp.logging_plan()))
-        # a replacement missed the logging plan chosen before it started: it takes the survivors'
-        pp.adopt(next((p for s, p in rows if s.valid and p is not None), None))
-        plan = plan_pipeline([s for s, _ in rows], pp.groups)
-        phases["consensus"] = time.monotonic() - t
-
-        t = time.monotonic()
-        if self.rank in plan.undo:
-            self._undo_last_update()
-        phases["undo"] = time.monotonic() - t
-
-        t = time.monotonic()
-        device = self.group.device()
-        own_rng = self.txn.rng_for(plan.point + 1)
-        layouts = self.next_layouts(plan.point)
-        for source, targets in plan.copies:  # every rank creates every group, in the same order
-            members = sorted({source, *targets})
-            group = self.group.new_group(members)
-            if self.rank in members:
-                st.transfer(self.reg, source, self.rank, group, device, self.chunk_bytes)
-                shared = self._from_source(source, plan.point, group)
-                if self.rank != source:
-                    own_rng, layouts = shared["rng"], shared["layouts"]
-        for ddp, layout in zip(self.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
-            rebind(ddp, layout)
-        replaying = hand_over(pp, plan)
-        if replaying is not None and pp.replay is not None and pp.replay["layouts"] is not None:
-            # every replica of this stage replays from the checkpoint's step (pp_plan.py): the reducers run the
-            # layout of that step, as the failure-free run did, not the one of the step after the point
-            for ddp, layout in zip(self.reg.ddps, pp.replay["layouts"]):
-                rebind(ddp, layout)
-        phases["transfer"] = time.monotonic() - t
-        self._records.clear()
-        self.reg.clear_grads()
-        pp.drop_after(plan.point)
-        pp.reset_schedule()
-        pp.force_checkpoint = True  # the replacement lost what it held for its neighbours: exchange again
-        if replaying is not None:
-            self.completed, self.partial, self.valid = replaying.start - 1, False, False
-            self.next_step = replaying.start
-        else:
-            self.completed, self.partial, self.valid = plan.point, False, True
-            self.next_step = plan.point + 1
-            if own_rng is not None:
-                set_rng_state(own_rng)
-        self.verify_next = False  # stages are not replicas: their states are not compared
-        self._parallel_replay(plan, phases)
-        return plan
-
-    def _parallel_replay(self, plan: PipePlan, phases: dict[str, float]) -> None:
-        """Idle survivors help the replaying ranks (runtime/pp/parallel.py), each set its own share of them: a
-        replaying rank offers its column of helpers its stage; a helper that takes it computes its part of every
-        replayed step before it reports RECOVERED."""
-        pp = self.pipeline
-        assert pp is not None
-        assigned = pp_parallel.assign_helpers(plan, self.world_size)
-        replay = plan.replay_of(self.rank)
-        if self.rank in assigned:
-            assert replay is not None
-            pp.parallel = pp_parallel.offer(pp, assigned[self.rank], assigned, replay.ranks)
-            return
-        if replay is not None:
-            if len(replay.ranks) > 1 and not replay.lockstep and pp_parallel.cap() != 0:
-                log.info("rank %d replays with ranks %s without helpers: fewer idle ranks than the %d members a "
-                         "chain needs", self.rank, [r for r in replay.ranks if r != self.rank], len(replay.ranks))
-            return
-        leader = next((lead for lead, helpers in assigned.items() if self.rank in helpers), None)
-        if leader is None:
-            return
-        t = time.monotonic()
-        setup = pp_parallel.receive_offer(leader, self.group.device())
-        if setup is not None:
-            steps = pp_parallel.help_replay(self.rank, setup, self.group.device())
-            log.info("rank %d helped rank %d replay %d step(s)", self.rank, leader, steps)
-        phases["help"] = time.monotonic() - t
-
-    def _pipeline_step_start(self, step: int) -> bool:
-        """A pipeline's step start: end a finished replay, then checkpoint when due. False: recover first."""
-        pp = self.pipeline
-        assert pp is not None
-        if pp.replay is not None:
-            if step > pp.replay["until"]:
-                if not self._end_replay():
-                    return False
-            else:
-                self.link.send_event(EventKind.REPLAYING, gen=self.generation, step=step,
-                                     first=pp.replay["start"], last=pp.replay["until"], ranks=pp.replay["ranks"],
-                                     helpers=pp.parallel.helpers if pp.parallel is not None else [])
-        try:
-            with collectives.internal():
-                pp.begin_step(step)
-        except Exception:  # noqa: BLE001 - a peer died during the checkpoint exchange: recover first
-            if self._wait_for_abort():
-                return False
-            raise
-        return True
-
-    def _end_replay(self) -> bool:
-        """The replay reached the recovery point: report RECOVERED and wait with everyone for RESUME."""
-        pp = self.pipeline
-        assert pp is not None and pp.replay is not None
-        replay = pp.replay
-        gen = replay["gen"]
-        phases = dict(replay["phases"])
-        phases["replay"] = pp.end_replay()
-        phases["total_local"] = phases.get("total_local", 0.0) + phases["replay"]
+    def report_recovered(self, gen: int, phases: dict[str, float], plan: dict[str, Any]) -> bool:
+        """For a strategy that reports later (Strategy.reports_later): this rank is consistent now; report
+        RECOVERED and wait with everyone for RESUME. False: a newer failure came first (recover again)."""
         self.valid = True
-        self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=replay["plan"])
+        self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=plan)
         self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
         return self.link.generation == gen
 
@@ -477,26 +321,11 @@ class Recovery:
         """The last step whose optimizer update this rank's state holds (the step in progress if partial)."""
         return self.completed + (1 if self.partial else 0)
 
-    def _status(self) -> RankStatus:
-        held = self.buffers.indices and self.valid
-        return RankStatus(self.rank, self.valid, self.position, not self.partial, self._undoable(),
-                          outside_step=not self.joining and not self.partial and self.step == self.completed,
-                          buffers_next=not held or self.buffers.offers(self.position + 1),
-                          buffers_undo=not held or self.buffers.offers(self.position))
-
-    def _consensus(self) -> Plan:
-        device = self.group.device()
-        mine = torch.tensor(self._status().pack(), dtype=torch.int64, device=device)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine)
-        statuses = [RankStatus.unpack(row.tolist()) for row in rows]
-        return plan_recovery(statuses, self.mode)
-
     def next_layouts(self, point: int) -> list:
         """The bucket layout each DDP wrapper must be rebound with to redo step ``point + 1`` (ddp.next_layout)."""
         return [ddp_tools.next_layout(d, o, point) for d, o in zip(self.reg.ddps, self._orders)]
 
-    def _from_source(self, source: int, point: int, group: Any = None) -> dict:
+    def from_source(self, source: int, point: int, group: Any = None) -> dict:
         """What a recovery's receivers take from its source besides the bulk state, broadcast over ``group``
         (None: every rank): the DDP bucket layouts to rebind with and the RNG state of the step to redo (the
         source's snapshot of that step's start, else its current streams). Data parallelism sends it to every
@@ -508,55 +337,17 @@ class Recovery:
         dist.broadcast_object_list(box, src=source, group=group, device=device if device.type == "cuda" else None)
         return box[0]
 
-    def _transfer(self, plan: Plan) -> None:
-        device = self.group.device()
-        # every rank needs the source's bucket layouts and the RNG of the step to redo; the bulk state only
-        # goes to the targets
-        own_rng = self.txn.rng_for(plan.point + 1)
-        shared = self._from_source(plan.source, plan.point)
-        if plan.targets:
-            members = sorted({plan.source, *plan.targets})
-            group = None if len(members) == self.world_size else self.group.new_group(members)
-            if self.rank in members:
-                if self.rank != plan.source:
-                    self.valid = False  # until the whole state arrived
-                st.transfer(self.reg, plan.source, self.rank, group, device, self.chunk_bytes,
-                            on_chunk=self._transfer_fault if self.rank == plan.source else None)
-        self._rebind_at.clear()
-        for index, (ddp, layout) in enumerate(zip(self.reg.ddps, shared["layouts"])):
-            rebind(ddp, layout)
-            if layout is None and ddp.static_graph and 0 <= plan.point < ddp_tools.first_rebuilt_step(ddp) - 1:
-                # a static graph redoing step 1 runs the initial layout, as failure-free, but the rebound reducer
-                # counts step 1 as its first iteration and would rebuild one step late: rebind it at step 2 with
-                # the layout DDP rebuilds then (its order is recorded during step 1 on every rank)
-                self._rebind_at[index] = ddp_tools.first_rebuilt_step(ddp)
-        unknown = [lay is None and ddp_tools.rebuilds(d) and index not in self._rebind_at
-                   for index, (d, lay) in enumerate(zip(self.reg.ddps, shared["layouts"]))]
-        if self.rank == plan.source and plan.point >= 0 and any(unknown):
-            # DDP rebuilds its buckets from the gradient order of its first iterations; a reducer rebuilt by the
-            # recovery has recorded nothing. The runtime hands on the layout it predicts from its own record of the
-            # order (ddp.next_layout); without that record (not expected once a step completed) this run keeps
-            # the initial buckets longer than a failure-free run would: sums round differently
-            warn("the failure came before DDP rebuilt its gradient buckets and their layout is unknown: the "
-                 "recovered run is not bitwise the failure-free one (about 1e-7 relative with 3 ranks or more), "
-                 "replicas stay equal")
-        set_rng_state(own_rng if (own_rng is not None and self.rank not in plan.targets) else shared["rng"])
-
-    def _transfer_fault(self, chunk: int) -> None:
-        if chunk == 0:
-            faults.fire("transfer", max(self.step, 0))
-
     def _verify_between_steps(self, step: int) -> bool:
         """Compare every rank's whole state before ``step``; False if a peer failed meanwhile (recover first)."""
         self.verify_next = False
-        if self.pipeline is not None:
-            return True  # a pipeline's stages hold different states by design
+        uncompared = self.strategy.uncompared_buffers()
+        if uncompared is None:
+            return True  # the ranks hold different states by design (a pipeline's stages)
         try:
-            with collectives.internal():
-                # between steps the buffers DDP broadcasts differ by design (each rank's own batch updated them)
-                mismatches = verify.compare(self.reg, self.buffers.per_rank | set(self.buffers.indices))
+            with intercept.internal():
+                mismatches = verify.compare(self.reg, uncompared)
         except Exception:  # noqa: BLE001 - a peer died during the comparison: recover, the recovery verifies
-            if self._wait_for_abort():
+            if self.wait_for_abort():
                 return False
             raise
         if mismatches:
@@ -564,7 +355,7 @@ class Recovery:
             # traceback from swiftrun's own code in the script
             reason = f"replicas differ before step {step}: " + verify.describe(mismatches)
             self.link.send_event(EventKind.UNRECOVERABLE, gen=self.generation, reason=reason)
-            if self.link.wait_for(lambda: self._aborted(), timeout=self._recovery_timeout()):
+            if self.link.wait_for(lambda: self.aborted(), timeout=self.recovery_timeout()):
                 return False  # the launcher answered with a new generation (it stops or restarts the job)
             raise RecoveryError(reason)
         return True
@@ -617,6 +408,10 @@ class Recovery:
             faults.fire("after-step", self.step)
         return post_hook
 
+    def undoable(self) -> bool:
+        """Whether this rank can undo the update its state holds last (reported to the consensus)."""
+        return self._undoable()
+
     def _undoable(self) -> bool:
         step = self.position
         records = self._records.get(step)
@@ -628,7 +423,8 @@ class Recovery:
         return all(record.step == step if isinstance(record, PreStepCopy)
                    else undo.undoable(self.reg.optimizers[index], record)[0] for index, record in records.items())
 
-    def _undo_last_update(self) -> None:
+    def undo_last_update(self) -> None:
+        """Put this rank back to the start of the step whose update its state holds last (checked undoable)."""
         step = self.position
         records = self._records.get(step, {})
         for index in sorted(records, reverse=True):
@@ -644,17 +440,22 @@ class Recovery:
 
     # ------------------------------------------------------------------ helpers
 
-    def _aborted(self) -> bool:
+    def aborted(self) -> bool:
+        """Whether the launcher aborted this rank's generation (a recovery is due)."""
         return self.link.generation > self.generation
+
+    def forget_undo_records(self) -> None:
+        """A recovery made this rank consistent: nothing before it can be undone any more."""
+        self._records.clear()
 
     def _command_for(self, kind: CommandKind, gen: int) -> bool:
         cmd = self.link.command(kind)
         return cmd is not None and cmd.gen == gen
 
-    def _wait_for_abort(self, after: int | None = None) -> bool:
+    def wait_for_abort(self, after: int | None = None) -> bool:
         """A collective failed: wait (bounded) for the launcher to announce the generation that repairs it."""
         base = self.generation if after is None else after
-        return self.link.wait_for(lambda: self.link.generation > base, timeout=self._detect_timeout())
+        return self.link.wait_for(lambda: self.link.generation > base, timeout=self.detect_timeout())
 
     def _warn_once(self, key: str, message: str) -> None:
         if key in _warned:
@@ -664,10 +465,10 @@ class Recovery:
 
     # the waits follow the launcher's flags (see runtime/worker/env.py); the launcher enforces the deadlines itself,
     # these only bound a rank whose launcher stopped answering
-    def _detect_timeout(self) -> float:
+    def detect_timeout(self) -> float:
         return self.rt.wenv.detect_wait
 
-    def _recovery_timeout(self) -> float:
+    def recovery_timeout(self) -> float:
         return self.rt.wenv.recover_wait
 
     def _connect_timeout(self) -> float:
@@ -679,15 +480,11 @@ class Recovery:
         """Every rank waits here until all finished (so a late failure can still be repaired in place).
 
         Returns None when released, or the step to resume at after a recovery."""
-        if self.pipeline is not None and self.pipeline.replay is not None and not self._end_replay():
-            return self.recover()  # a failure during the replay of the last steps
-        if self.pipeline is not None:
-            # a checkpoint exchange still under way ends first (a peer's failure ends it too, and the wait for
-            # RELEASE below turns that into a recovery): the groups must not go while it uses one
-            self.pipeline.exchange.wait()
+        if not self.strategy.on_finish():
+            return self.recover()  # a failure while this rank was still becoming consistent
         gen = self.generation
         self.link.send_event(EventKind.FINISHING, gen=gen, completed=self.completed)
-        self.link.wait_for(lambda: self._command_for(CommandKind.RELEASE, gen) or self._aborted())
+        self.link.wait_for(lambda: self._command_for(CommandKind.RELEASE, gen) or self.aborted())
         if not self._command_for(CommandKind.RELEASE, gen):  # a failure before every rank finished: repair it
             return self.recover()
         self.released = True
@@ -697,21 +494,3 @@ class Recovery:
 
 
 _warned: set[str] = set()
-DEFAULT_CHECKPOINT_EVERY = 20  # steps between stage checkpoints of a pipeline (Run(checkpoint_every=...))
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """An exception and its causes: torch's pipelining re-raises a failed collective as a plain RuntimeError
-    ("Failed to run stage backward") whose cause names the connection that broke."""
-    seen: list[BaseException] = []
-    while exc is not None and exc not in seen and len(seen) < 8:
-        seen.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return seen
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, "") or default)
-    except ValueError:
-        return default

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from swiftrun.runtime.state import skeleton
 from swiftrun.runtime.state.registry import Registry
 
 Tree = Any
@@ -126,20 +127,21 @@ class Copier:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def freeze(self, tree: Tree, path: str = "") -> Tree:
-        if isinstance(tree, torch.Tensor):
-            kept = self._buffers.get(path)
-            value = tree.detach()
-            if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != value.device:
-                kept = value.clone()
-                self._buffers[path] = kept
-            else:
-                kept.copy_(value)
-            return kept
-        if isinstance(tree, dict):
-            return {k: self.freeze(v, f"{path}.{k}") for k, v in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self.freeze(v, f"{path}.{i}") for i, v in enumerate(tree))
-        return copy.deepcopy(tree)
+        """A copy of ``tree``: each tensor in the buffer kept for its path, anything else deep-copied."""
+        return skeleton.map_tree_at(
+            tree, lambda leaf, at: self._freeze_leaf(leaf, path + "".join(f".{k}" for k in at)))
+
+    def _freeze_leaf(self, leaf: Any, path: str) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return copy.deepcopy(leaf)
+        kept = self._buffers.get(path)
+        value = leaf.detach()
+        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != value.device:
+            kept = value.clone()
+            self._buffers[path] = kept
+        else:
+            kept.copy_(value)
+        return kept
 
 
 @dataclass
@@ -274,13 +276,8 @@ def _settings(group: dict[str, Any], copier: Copier, path: str) -> dict[str, Any
 
 def _clone_tree(tree: Tree) -> Tree:
     """A private copy, so that loading it never aliases the snapshot's reused buffers."""
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, dict):
-        return {k: _clone_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_clone_tree(v) for v in tree)
-    return copy.deepcopy(tree)
+    return skeleton.map_tree(
+        tree, lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf))
 
 
 def _set_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime.worker.process import warn
-from swiftrun.runtime.state.registry import plain
+from swiftrun.runtime.comm.group import GroupManager
+from swiftrun.runtime.core.step import StepView
+from swiftrun.runtime.core.txn import Copier, StepSnapshot
+from swiftrun.runtime.state.registry import Registry, plain
 from swiftrun.runtime.state.transfer import broadcast_tree
-from swiftrun.runtime.core.txn import Copier
-
-if TYPE_CHECKING:
-    from swiftrun.runtime.core.recovery import Recovery
+from swiftrun.runtime.worker.process import warn
 
 
 class BroadcastBuffers:
@@ -31,9 +30,11 @@ class BroadcastBuffers:
     With ``broadcast_buffers=False`` each rank keeps its own buffers: a replacement can only receive another
     rank's (said at registration), and verification does not compare them."""
 
-    def __init__(self, rec: Recovery) -> None:
-        self.rec = rec
-        reg = rec.reg
+    def __init__(self, view: StepView, reg: Registry, group: GroupManager,
+                 snapshot: Callable[[int], StepSnapshot | None]) -> None:
+        self.view = view  # the step in progress (read-only)
+        self.reg, self.group = reg, group
+        self._snapshot = snapshot  # the transaction's snapshot of a step's start
         self.indices: list[int] = []  # registered models whose buffers DDP broadcasts
         self.per_rank: set[int] = set()  # registered models whose buffers are each rank's own
         self._copier = Copier()
@@ -51,19 +52,18 @@ class BroadcastBuffers:
                 model.register_forward_pre_hook(self._hook(index, ddp), prepend=True)
             else:
                 self.per_rank.add(index)
-                warn(f"DDP(broadcast_buffers=False) keeps each rank's own buffers in {type(model).__name__}: a "
-                     "replaced rank receives another rank's, so its buffers will not be the failure-free ones")
+        warn_per_rank_buffers(reg)
 
     def _hook(self, index: int, ddp: Any):
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
-            rec = self.rec
-            if not rec.in_step or self._first_forward.get(index) == rec.step:
+            view = self.view
+            if not view.in_step or self._first_forward.get(index) == view.step:
                 return
-            self._first_forward[index] = rec.step
+            self._first_forward[index] = view.step
             if ddp._check_sync_bufs_pre_fwd():  # this forward started by broadcasting rank 0's buffers
                 with torch.no_grad():
                     self._copies[index] = self._copier.freeze(dict(module.named_buffers()), str(index))
-                self._copied_at[index] = rec.step
+                self._copied_at[index] = view.step
             else:  # a no_sync forward first: rank 0's step-start buffers were not broadcast this step
                 self._copied_at[index] = -1
         return pre_forward
@@ -74,22 +74,22 @@ class BroadcastBuffers:
 
     def _offer(self, step: int) -> str | None:
         """Whether (and from where) this rank can give rank 0's buffers as of the start of ``step``."""
-        rec = self.rec
-        if rec.rank == 0 and rec.valid:
-            if step == rec.completed + 1:
-                return "snapshot" if rec.partial else "live"
-            if rec.partial and step == rec.completed + 2:
+        view = self.view
+        if view.rank == 0 and view.valid:
+            if step == view.completed + 1:
+                return "snapshot" if view.partial else "live"
+            if view.partial and step == view.completed + 2:
                 return "live"  # the update's step ran its forward: rank 0's buffers are that step's end
         if all(self._copied_at.get(i) == step for i in self.indices):
             return "copy"
         return None
 
     def _tree(self, where: str, step: int) -> dict[int, dict[str, torch.Tensor]]:
-        models = self.rec.reg.models
+        models = self.reg.models
         if where == "copy":
             return {i: self._copies[i] for i in self.indices}
         if where == "snapshot":
-            snap = self.rec.txn.snapshot(step)
+            snap = self._snapshot(step)
             assert snap is not None
             return {i: snap.buffers[i] for i in self.indices}
         return {i: {n: b.detach() for n, b in models[i].named_buffers()} for i in self.indices}
@@ -99,27 +99,41 @@ class BroadcastBuffers:
         recovery's ``source``'s, so that replicas still agree (said loudly: not the failure-free ones)."""
         if not self.indices:
             return None
-        rec = self.rec
-        offers: list[Any] = [None] * rec.world_size
+        view = self.view
+        offers: list[Any] = [None] * view.world_size
         mine = self._offer(step)
         dist.all_gather_object(offers, mine)
         holders = [r for r, o in enumerate(offers) if o is not None]
         if holders:
             holder, where = holders[0], mine
         else:  # the consensus undoes a step to avoid this where it can (consensus.buffers_held)
-            if rec.rank == source:
+            if view.rank == source:
                 warn(f"rank 0 died before broadcasting its buffers for step {step}; they are lost with it, so "
                      f"every rank takes rank {source}'s: the recovered buffers are not bitwise the failure-free ones")
             holder, where = source, "live"
-        tree = self._tree(where, step) if rec.rank == holder else None
-        return broadcast_tree(tree, src=holder, group=None, device=rec.group.device())
+        tree = self._tree(where, step) if view.rank == holder else None
+        return broadcast_tree(tree, src=holder, group=None, device=self.group.device())
 
     def install(self, tree: dict[int, dict[str, torch.Tensor]] | None) -> None:
         if tree is None:
             return
         with torch.no_grad():
             for index, buffers in tree.items():
-                live = dict(self.rec.reg.models[index].named_buffers())
+                live = dict(self.reg.models[index].named_buffers())
                 for name, value in buffers.items():
                     if live[name].data_ptr() != value.data_ptr():
                         live[name].copy_(value)
+
+
+def _per_rank_buffer_models(reg: Registry) -> list[Any]:
+    wrappers = {id(plain(d)): d for d in reg.ddps}
+    return [model for model in reg.models if id(model) in wrappers and not wrappers[id(model)].broadcast_buffers
+            and any(True for _ in model.buffers())]
+
+
+def warn_per_rank_buffers(reg: Registry) -> None:
+    """Said at registration, whatever the kind of parallelism: buffers each rank keeps to itself cannot be the
+    failure-free ones on a replacement, which receives another rank's."""
+    for model in _per_rank_buffer_models(reg):
+        warn(f"DDP(broadcast_buffers=False) keeps each rank's own buffers in {type(model).__name__}: a "
+             "replaced rank receives another rank's, so its buffers will not be the failure-free ones")

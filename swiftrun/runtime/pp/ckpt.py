@@ -28,20 +28,24 @@ from __future__ import annotations
 import enum
 import io
 import logging
+import os
 import pickle
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime.comm import collectives
-
+from swiftrun.errors import RecoveryError
+from swiftrun.runtime.comm import intercept
+from swiftrun.runtime.state import skeleton as skeleton_of
 from swiftrun.runtime.worker import faults
-from swiftrun.runtime.pp.handover import swap
+from swiftrun.runtime.pp.wire import swap
 
 log = logging.getLogger("swiftrun.runtime")
 
@@ -58,6 +62,19 @@ class _Slot:
     shape: tuple[int, ...]
 
 
+# where _Slot lived before the runtime was split into rooms: --stage-ckpt-dir files written by that version name it
+_FORMER_HOMES = {("swiftrun.runtime.pp_ckpt", "_Slot")}
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Unpickles a skeleton; a :class:`_Slot` pickled under its former module path loads as today's."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _FORMER_HOMES:
+            return _Slot
+        return super().find_class(module, name)
+
+
 @dataclass
 class Packed:
     """A checkpoint as a pickled skeleton (each tensor replaced by a :class:`_Slot`) and one flat byte buffer
@@ -72,7 +89,7 @@ class Packed:
 
     def unpack(self) -> Any:
         """The checkpoint's tree, its tensors copies (never views of a buffer someone keeps)."""
-        skeleton = pickle.loads(self.skeleton.numpy().tobytes())
+        skeleton = _SkeletonUnpickler(io.BytesIO(self.skeleton.numpy().tobytes())).load()
         flat = self.flat.cpu()
         if flat.storage_offset() % _ALIGN:  # read from a file, behind the skeleton: no dtype could view it
             flat = flat.clone()
@@ -99,54 +116,26 @@ def _view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
 
 
 def _fill(tree: Any, value: Callable[[_Slot], Any]) -> Any:
-    if isinstance(tree, _Slot):
-        return value(tree)
-    if isinstance(tree, dict):
-        items = [(k, _fill(v, value)) for k, v in tree.items()]
-        try:
-            return type(tree)(items)  # an OrderedDict stays one
-        except TypeError:  # a dict subclass with another constructor (defaultdict)
-            return dict(items)
-    if isinstance(tree, list):
-        return [_fill(v, value) for v in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields") and not _atomic(tree):
-        return tuple(_fill(v, value) for v in tree)
-    return tree
-
-
-_ATOMIC = frozenset((int, float, bool, str, bytes, type(None)))
-
-
-def _atomic(items: tuple) -> bool:
-    """Immutable all the way down: Python's RNG state is 625 ints, not worth a walk per checkpoint (the types are
-    compared in C: a generator expression over them cost 60 us per checkpoint, for each of several walks)."""
-    return _ATOMIC.issuperset(map(type, items))
+    return skeleton_of.map_tree(tree, lambda leaf: value(leaf) if isinstance(leaf, _Slot) else leaf)
 
 
 def _lift(tree: Any, found: list[tuple[torch.Tensor, _Slot]], at: list[int]) -> Any:
     """``tree`` with each plain dense tensor replaced by its slot (``found`` collects them with their slots, in
     the skeleton's order; ``at`` the next offset); anything else stays in the skeleton and is pickled with it (a
     copy, taken now)."""
-    if isinstance(tree, torch.Tensor):
-        t = tree.detach()
+    def slot(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        t = leaf.detach()
         if t.layout is not torch.strided or t.is_quantized or t.is_nested:
             return t.cpu().clone()  # rare kinds are pickled whole
         nbytes = t.numel() * t.element_size()
-        slot = _Slot(at[0], nbytes, t.dtype, tuple(t.shape))
+        place = _Slot(at[0], nbytes, t.dtype, tuple(t.shape))
         at[0] += -(-nbytes // _ALIGN) * _ALIGN
-        found.append((t, slot))
-        return slot
-    if isinstance(tree, dict):
-        items = [(k, _lift(v, found, at)) for k, v in tree.items()]
-        try:
-            return type(tree)(items)
-        except TypeError:
-            return dict(items)
-    if isinstance(tree, list):
-        return [_lift(v, found, at) for v in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields") and not _atomic(tree):
-        return tuple(_lift(v, found, at) for v in tree)
-    return tree
+        found.append((t, place))
+        return place
+
+    return skeleton_of.map_tree(tree, slot)
 
 
 class FlatSnapshots:
@@ -255,7 +244,7 @@ class Exchange:
              ready: Callable[[], None], install: Callable[[int, Packed, Packed], None]) -> None:
         started = time.monotonic()
         try:
-            with collectives.internal():  # per thread: swiftrun's traffic, never the script's (not logged)
+            with intercept.internal():  # per thread: swiftrun's traffic, never the script's (not logged)
                 sizes = _exchange(step, snap, channel, to, frm, device, ready, install)
         except BaseException as exc:  # noqa: BLE001 - a peer died or the channel was aborted: keep the previous
             self.error = exc
@@ -284,3 +273,58 @@ def _exchange(step: int, snap: Packed, channel: Any, to: int, frm: int, device: 
     done = torch.ones(1, dtype=torch.int64, device=device)
     dist.all_reduce(done, group=channel)  # returns once every rank has installed this step's checkpoint
     return snap.nbytes, received.nbytes
+
+
+class CheckpointDir:
+    """Stage checkpoints on (shared) disk: ``rank{R}.step{S}.ckpt``, written in the background, atomically."""
+
+    _NAME = re.compile(r"^rank(\d+)\.step(\d+)\.ckpt$")
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._writer: threading.Thread | None = None
+
+    def write(self, rank: int, step: int, data: Packed) -> None:
+        """Write in the background; a write still running is waited for first (one in flight per rank). ``data``
+        must not change until :meth:`flush` returns."""
+        if self._writer is not None:
+            self._writer.join()
+        self._writer = threading.Thread(target=self._write, args=(rank, step, data), daemon=True,
+                                        name="swiftrun-stage-ckpt")
+        self._writer.start()
+
+    def flush(self) -> None:
+        """Wait for the write in flight, if any."""
+        if self._writer is not None:
+            self._writer.join()
+
+    def _write(self, rank: int, step: int, data: Packed) -> None:
+        final = self.path / f"rank{rank}.step{step}.ckpt"
+        tmp = final.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            data.write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        for old_step in self.steps(rank)[:-2]:  # keep the two newest: the previous one until this one exists
+            (self.path / f"rank{rank}.step{old_step}.ckpt").unlink(missing_ok=True)
+
+    def steps(self, rank: int) -> list[int]:
+        found = []
+        for name in os.listdir(self.path):
+            match = self._NAME.match(name)
+            if match and int(match.group(1)) == rank:
+                found.append(int(match.group(2)))
+        return sorted(found)
+
+    def latest(self, rank: int) -> int:
+        steps = self.steps(rank)
+        return steps[-1] if steps else -1
+
+    def read(self, rank: int, step: int) -> Packed:
+        path = self.path / f"rank{rank}.step{step}.ckpt"
+        try:
+            return Packed.parse(bytearray(path.read_bytes()))
+        except (OSError, ValueError) as exc:
+            raise RecoveryError(f"the stage checkpoint {path} cannot be read: {exc}") from exc

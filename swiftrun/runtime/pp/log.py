@@ -12,16 +12,31 @@ files with them; the directory is removed when the process exits.
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
+from swiftrun.runtime.core.step import StepView
+from swiftrun.runtime.worker.env import settings
+
 DEFAULT_MEMORY_LIMIT = 4 << 30
+
+
+class BoundaryLog(Protocol):
+    """What a tap (torch pipelining's stage factories, or runtime/pp/p2p.py's point-to-point calls) needs from the
+    pipeline it feeds: the step in progress, the replay it serves from, which boundaries are logged, and where
+    to log a sent tensor and the stage's compute time."""
+
+    view: StepView
+    replay: dict[str, Any] | None  # set while this rank replays: {"live", "log", ...} (runtime/pp/pipeline.py)
+    logged: set[int] | None  # the boundaries logged (``min(from, to)``); None: all
+    compute: float  # seconds of forward and backward in the current step (the logging plan's profile)
+
+    def record(self, key: tuple, tensor: torch.Tensor) -> None: ...
 
 
 class _Spilled:
@@ -36,9 +51,9 @@ class LogStore:
     """A mapping of log keys (tuples whose first item is the step) to tensors, bounded in memory."""
 
     def __init__(self, memory_limit: int | None = None) -> None:
-        limit = os.environ.get("SWIFTRUN_LOG_MEMORY", "")
-        self.memory_limit = memory_limit if memory_limit is not None else (int(limit) if limit else
-                                                                             DEFAULT_MEMORY_LIMIT)
+        configured = settings().log_memory
+        self.memory_limit = memory_limit if memory_limit is not None else (
+            configured if configured is not None else DEFAULT_MEMORY_LIMIT)
         self._entries: OrderedDict[tuple, torch.Tensor | _Spilled] = OrderedDict()
         self.memory_bytes = 0
         self.disk_bytes = 0
@@ -121,7 +136,7 @@ class LogStore:
 
     def _directory(self) -> Path:
         if self._dir is None:
-            base = os.environ.get("SWIFTRUN_LOG_SPILL_DIR") or None
+            base = settings().log_spill_dir
             self._dir = Path(tempfile.mkdtemp(prefix="swiftrun-log-", dir=base))
             atexit.register(shutil.rmtree, self._dir, True)
         return self._dir

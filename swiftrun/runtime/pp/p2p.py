@@ -11,7 +11,7 @@ The log, the stage checkpoints and the replay are :class:`~swiftrun.runtime.pp.p
 - interception: ``isend``, ``irecv``, ``send`` and ``recv`` are replaced in ``torch.distributed.distributed_c10d``
   and the public names are set to the same objects. ``P2POp`` checks its ``op`` by identity against the c10d
   globals and ``batch_isend_irecv``, ``send`` and ``recv`` call them, so every path meets the tap exactly once
-  (a nested call runs under ``collectives.internal()``, like swiftrun's own checkpoint exchange and replay
+  (a nested call runs under ``intercept.internal()``, like swiftrun's own checkpoint exchange and replay
   hand-over, which are never logged or served);
 - key: ``(step, "p2p", from stage, to stage, tag, n)``, where ``n`` counts the messages from one stage to the other
   with that tag within the step. The sender counts its sends, a replaying receiver its receives: both backends
@@ -33,18 +33,17 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.comm import collectives
+from swiftrun.runtime.comm import intercept
 from swiftrun.runtime.comm import subgroups
+from swiftrun.runtime.pp.log import BoundaryLog
 from swiftrun.runtime.state.registry import RegistrationError
 
-if TYPE_CHECKING:
-    from swiftrun.runtime.pp.pipeline import Pipeline
 
 KIND = "p2p"
 _FUNCTIONS = ("isend", "irecv", "send", "recv")
@@ -101,9 +100,9 @@ def adjacent_stage(pipe: tuple[int, ...], index: int, peer: int, what: str) -> i
 
 
 class P2PTap:
-    """Sees one rank's point-to-point traffic for its :class:`Pipeline` (installed at registration)."""
+    """Sees one rank's point-to-point traffic for its pipeline's boundary log (installed at registration)."""
 
-    def __init__(self, pipeline: Pipeline, stage: Stage) -> None:
+    def __init__(self, pipeline: BoundaryLog, stage: Stage) -> None:
         if not isinstance(stage.index, int) or not isinstance(stage.num_stages, int) or \
                 not 0 <= stage.index < stage.num_stages:
             raise RegistrationError(f"swiftrun.Stage(index={stage.index!r}, num_stages={stage.num_stages!r}): "
@@ -141,28 +140,28 @@ class P2PTap:
 
     def send(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int, blocking: bool,
              kwargs: dict) -> Any:
-        rec, replay = self.pp.rec, self.pp.replay
-        if not rec.in_step:  # outside a step nothing is logged; a replaying rank has nobody listening
+        view, replay = self.pp.view, self.pp.replay
+        if not view.in_step:  # outside a step nothing is logged; a replaying rank has nobody listening
             return _skipped(blocking) if replay is not None else fn(tensor, **kwargs)
         to = adjacent_stage(self.pipe, self.index, peer, "sends to")
-        key = self.seq.key(rec.step, self.index, to, tag)
+        key = self.seq.key(view.step, self.index, to, tag)
         if replay is not None:  # to a stage replaying with this one: live; elsewhere: dropped
             return fn(tensor, **kwargs) if to in replay["live"] else _skipped(blocking)
         logged = self.pp.logged
         if logged is None or min(self.index, to) in logged:
-            self.pp._record(key, tensor)  # noqa: SLF001 - the shared log
+            self.pp.record(key, tensor)
         return fn(tensor, **kwargs)
 
     def recv(self, fn: Callable[..., Any], tensor: torch.Tensor, peer: int | None, tag: int, blocking: bool,
              kwargs: dict) -> Any:
-        rec, replay = self.pp.rec, self.pp.replay
-        if not rec.in_step:
-            return (peer if blocking else collectives._Done()) if replay is not None else fn(tensor, **kwargs)
+        view, replay = self.pp.view, self.pp.replay
+        if not view.in_step:
+            return (peer if blocking else intercept.Done()) if replay is not None else fn(tensor, **kwargs)
         if peer is None:
             raise RegistrationError(f"stage {self.index} receives from any source in a step: name the source "
                                     "(a replay serves each receive from the log of the stage it comes from)")
         frm = adjacent_stage(self.pipe, self.index, peer, "receives from")
-        key = self.seq.key(rec.step, frm, self.index, tag)
+        key = self.seq.key(view.step, frm, self.index, tag)
         if replay is None or frm in replay["live"]:
             return fn(tensor, **kwargs)
         value = replay["log"].get(key)
@@ -175,11 +174,11 @@ class P2PTap:
                                 f"{tuple(tensor.shape)} {tensor.dtype}")
         with torch.no_grad():
             tensor.copy_(value)
-        return peer if blocking else collectives._Done()
+        return peer if blocking else intercept.Done()
 
 
 def _skipped(blocking: bool) -> Any:
-    return None if blocking else collectives._Done()
+    return None if blocking else intercept.Done()
 
 
 # ---------------------------------------------------------------------- interception
@@ -240,7 +239,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         tap = _tap
-        if tap is None or collectives.bypassed():  # swiftrun's own traffic, or a nested call
+        if tap is None or intercept.bypassed():  # swiftrun's own traffic, or a nested call
             return fn(tensor, *args, **kwargs)
         kwargs = _keywords(args, kwargs, peer_name)
         if subgroups.count() and kwargs.get("group") is not None:
@@ -257,7 +256,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _through(fn: Callable[..., Any], tensor: torch.Tensor, **kwargs: Any) -> Any:
-    with collectives.internal():  # send/recv call isend/irecv: the tap has seen this message already
+    with intercept.internal():  # send/recv call isend/irecv: the tap has seen this message already
         return fn(tensor, **kwargs)
 
 

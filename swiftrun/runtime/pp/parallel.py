@@ -45,18 +45,18 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime.comm import collectives
+from swiftrun.runtime.comm import intercept
 
 from swiftrun.runtime.worker import faults
+from swiftrun.runtime.worker.env import settings
 from swiftrun.runtime.pp import wire
-from swiftrun.runtime.pp.handover import to_bytes
+from swiftrun.runtime.pp.wire import to_bytes
 
 if TYPE_CHECKING:
     from swiftrun.runtime.pp.pipeline import Pipeline
@@ -64,13 +64,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swiftrun.runtime")
 
-ENV = "SWIFTRUN_PARALLEL_REPLAY"
-
-
 def cap() -> int:
     """The most helpers a replay may take (-1: every idle survivor; 0: off)."""
-    value = os.environ.get(ENV, "").strip()
-    return int(value) if value else -1
+    return settings().parallel_replay
 
 
 def assign_helpers(plan: PipePlan, world_size: int, limit: int | None = None) -> dict[int, tuple[int, ...]]:
@@ -224,7 +220,7 @@ def _agree(why: str | None, others: list[int], device: torch.device) -> str | No
     when no member has one, or a chain would miss a column. Returns the first reason found (None: split)."""
     if not others:
         return why
-    with collectives.internal():
+    with intercept.internal():
         pending: list = []
         for other in others:
             pending += wire.send(why, other, device)
@@ -249,8 +245,8 @@ def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, 
     """On a replaying rank, right after the hand-over: offer each helper of its column its part (or nothing, when
     a member of its set cannot be split). ``assigned``: every replaying rank's column (:func:`assign_helpers`), to
     find the helpers of the neighbouring members in each chain; ``members``: the rank's replay set."""
-    device = pp.rec.group.device()
-    me = pp.rec.rank
+    device = pp.group.device()
+    me = pp.view.rank
     why = _unsplittable(pp)
     payload = None
     if why is None:
@@ -275,7 +271,7 @@ def offer(pp: Pipeline, column: tuple[int, ...], assigned: dict[int, tuple[int, 
                          "up": assigned[up][c] if up is not None else None,
                          "down": assigned[down][c] if down is not None else None}
     pending = []
-    with collectives.internal():
+    with intercept.internal():
         for helper, setup in zip(column, setups):
             pending += wire.send(setup, helper, device)
         wire.wait(pending)
@@ -294,7 +290,7 @@ class Leader:
     def __init__(self, pp: Pipeline, chain: list[int], parts: list[tuple[int, int]], others: list[int]) -> None:
         self.pp, self.chain, self.parts, self.others = pp, chain, parts, others
         self.schedule, self.stage = pp.schedule, pp.stages[0]
-        self.device = pp.rec.group.device()
+        self.device = pp.group.device()
         self.schedule._step_microbatches = self._step_microbatches  # this instance, for the replay only
         self.checked = False  # the first micro-batch's forward was checked for side effects
         self.sends: list = []  # live sends to the set's other members, waited at the step's end
@@ -314,7 +310,7 @@ class Leader:
     def close(self) -> None:
         """The replay is over: release the helpers, restore the schedule."""
         self.detach()
-        with collectives.internal():
+        with intercept.internal():
             pending = []
             for helper in self.helpers:
                 pending += wire.send(None, helper, self.device)
@@ -346,7 +342,7 @@ class Leader:
             mbs[i] = entry
         # the module itself, not only its state dict: what the script changed on it since (a step counter a
         # forward reads) must be what the helper's copy sees
-        return {"step": self.pp.rec.step, "module": to_bytes(self.stage.submod), "mbs": mbs,
+        return {"step": self.pp.view.step, "module": to_bytes(self.stage.submod), "mbs": mbs,
                 "loss_kwargs": loss_kwargs}
 
     def _issue(self, ops: list, wait: bool) -> None:
@@ -394,7 +390,7 @@ class Leader:
         if why is None:
             return True
         log.info("rank %d replays its stage without helpers: %s (a helper would not see the change made by the "
-                 "micro-batches before its range)", self.pp.rec.rank, why)
+                 "micro-batches before its range)", self.pp.view.rank, why)
         self.close()
         self.pp.parallel = None
         return False
@@ -422,7 +418,7 @@ class Leader:
                 schedule._update_losses(stage, losses)
                 stage.perform_reduce_grad(n if schedule.scale_grads else 1)
                 return
-        with collectives.internal():
+        with intercept.internal():
             pending = []
             for helper, (h_lo, h_hi) in zip(self.helpers, self.parts[1:]):
                 pending += wire.send(self._work(h_lo, h_hi, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs), helper,
@@ -433,7 +429,7 @@ class Leader:
             self._backward(i)
         self._end_sends()
         params = list(stage.submod.parameters())
-        with collectives.internal():
+        with intercept.internal():
             wire.wait(pending)
             wire.wait(wire.send({"grads": [p.grad for p in params], "losses": [], "outputs": []}, self.helpers[0],
                         self.device))
@@ -452,7 +448,7 @@ class Leader:
 
 
 def receive_offer(leader: int, device: torch.device) -> dict | None:
-    with collectives.internal():
+    with intercept.internal():
         return wire.recv(leader, device)
 
 
@@ -477,7 +473,7 @@ def help_replay(rank: int, setup: dict, device: torch.device) -> int:
     up, down = setup.get("up"), setup.get("down")
     generators = _generators(device)
     steps = 0
-    with collectives.internal(), torch.enable_grad():
+    with intercept.internal(), torch.enable_grad():
         while True:
             work = wire.recv(chain[0], device)
             if work is None:

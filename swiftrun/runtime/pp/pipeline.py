@@ -31,7 +31,6 @@ previous checkpoint, whose logs are still there.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Callable
 
@@ -39,16 +38,20 @@ import torch
 import torch.distributed as dist
 
 from swiftrun.errors import RecoveryError
-from swiftrun.runtime.comm import collectives
-from swiftrun.runtime.pp import selective as pp_logplan
-from swiftrun.runtime.comm import subgroups
-from swiftrun.runtime.pp.ckpt import Exchange, FlatSnapshots, Packed
-from swiftrun.runtime.state import tree as st
-from swiftrun.runtime.pp.handover import CheckpointDir
-from swiftrun.runtime.pp.log import LogStore
-from swiftrun.runtime.pp.plan import StageStatus
-from swiftrun.runtime.state.registry import RegistrationError
+from swiftrun.protocol.control import EventKind
+from swiftrun.runtime.comm import intercept, subgroups
+from swiftrun.runtime.comm.group import GroupManager
+from swiftrun.runtime.core.step import StepView
 from swiftrun.runtime.core.txn import rng_state, set_rng_state
+from swiftrun.runtime.pp import selective
+from swiftrun.runtime.pp.ckpt import CheckpointDir, Exchange, FlatSnapshots, Packed
+from swiftrun.runtime.pp.log import LogStore
+from swiftrun.runtime.pp.p2p import P2PTap, Stage
+from swiftrun.runtime.pp.plan import StageStatus
+from swiftrun.runtime.state import tree as st
+from swiftrun.runtime.state.registry import Registry, RegistrationError
+from swiftrun.runtime.worker.env import settings
+from swiftrun.runtime.worker.link import Link
 
 log = logging.getLogger("swiftrun.runtime")
 
@@ -86,10 +89,11 @@ def stages_of(spec: Any) -> tuple[Any, list[Any]]:
 class Pipeline:
     """One rank's pipeline stages under swiftrun: logging, checkpoints, replay."""
 
-    def __init__(self, rec: Any, spec: Any, checkpoint_every: int) -> None:
-        self.rec = rec
-        from swiftrun.runtime.pp.p2p import P2PTap, Stage
-
+    def __init__(self, view: StepView, reg: Registry, group: GroupManager, link: Link,
+                 next_layouts: Callable[[int], list], spec: Any, checkpoint_every: int) -> None:
+        self.view = view  # the step in progress (read-only: the recovery loop keeps it)
+        self.reg, self.group, self.link = reg, group, link
+        self.next_layouts = next_layouts  # the DDP bucket layouts to redo the step after a point (core/recovery)
         # the tap that sees the stage boundaries: torch pipelining's stage factories (wrapped below), or the
         # script's own point-to-point calls (runtime/pp/p2p.py); the log, checkpoints and replay are shared
         self.tap: P2PTap | None = None
@@ -119,7 +123,7 @@ class Pipeline:
         self.groups: tuple[tuple[int, ...], ...] | None = None
         self.keep_own = False
         self.own: tuple[int, Packed] | None = None
-        directory = os.environ.get("SWIFTRUN_STAGE_CKPT_DIR")
+        directory = settings().stage_ckpt_dir
         self.disk = CheckpointDir(directory) if directory else None
         self.compute = 0.0  # seconds spent in forward and backward chunks during the current step
         self.compute_steps: list[float] = []  # per finished step, for the logging plan's profile
@@ -151,16 +155,16 @@ class Pipeline:
     def _neighbours(self) -> tuple[int, int]:
         """(previous, next) rank in the pipeline's ring: the next one holds this rank's checkpoint."""
         pipe = self.pipe_ranks()
-        me = pipe.index(self.rec.rank)
+        me = pipe.index(self.view.rank)
         return pipe[me - 1], pipe[(me + 1) % len(pipe)]
 
     def validate(self) -> None:
         """Every rank of a pipeline must agree on its shape before anything is logged: the same number of stages
         and micro-batches, each stage run by exactly one rank. Checked once, on every rank, at registration."""
-        mine = {"rank": self.rec.rank, "pipe": self.pipe_ranks(), "stages": self.stage_indices,
+        mine = {"rank": self.view.rank, "pipe": self.pipe_ranks(), "stages": self.stage_indices,
                 "num_stages": self.num_stages,
                 "microbatches": getattr(self.schedule, "_n_microbatches", None)}
-        rows: list[Any] = [None] * self.rec.world_size
+        rows: list[Any] = [None] * self.view.world_size
         dist.all_gather_object(rows, mine)
         problem = pipeline_problem([r for r in rows if r["pipe"] == mine["pipe"]])
         if problem:
@@ -176,7 +180,7 @@ class Pipeline:
         groups, logged = plan
         self.groups = tuple(tuple(g) for g in groups)
         self.logged = None if logged is None else set(logged)
-        position = self.pipe_ranks().index(self.rec.rank)
+        position = self.pipe_ranks().index(self.view.rank)
         self.keep_own = any(position in g and len(g) > 1 for g in self.groups)
 
     def regroup(self) -> None:
@@ -189,8 +193,8 @@ class Pipeline:
         assert not self.exchange.running, "stop_exchange() before the groups are rebuilt"
         self.channel = None
         if len(self.pipe_ranks()) > 1:
-            with collectives.internal():
-                self.channel = self.rec.group.new_group(list(range(self.rec.world_size)))
+            with intercept.internal():
+                self.channel = self.group.new_group(list(range(self.view.world_size)))
 
     def stop_exchange(self, timeout: float) -> None:
         """Before a recovery rebuilds the groups: the exchange in flight ends (the abort released its channel),
@@ -213,9 +217,9 @@ class Pipeline:
                 if self.replay is not None:  # to a stage replaying with this one: live; elsewhere: dropped
                     return ops if to in self.replay["live"] else []
                 if self.logged is None or min(index, to) in self.logged:
-                    step = self.rec.step
+                    step = self.view.step
                     for ordinal, op in enumerate(ops):
-                        self._record((step, kind, index, to, mb, ordinal), op.tensor)
+                        self.record((step, kind, index, to, mb, ordinal), op.tensor)
                 return ops
             return factory
 
@@ -236,7 +240,7 @@ class Pipeline:
         def seeded_forward(mb: int, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             states = [g.get_state() for g in generators]
-            seed = _mix(self.seed, self.rec.step, index, mb)
+            seed = _mix(self.seed, self.view.step, index, mb)
             try:
                 for g in generators:
                     g.manual_seed(seed)
@@ -260,7 +264,8 @@ class Pipeline:
         stage.forward_one_chunk = seeded_forward
         stage.backward_one_chunk = timed_backward
 
-    def _record(self, key: Key, tensor: torch.Tensor) -> None:
+    def record(self, key: Key, tensor: torch.Tensor) -> None:
+        """Log a tensor sent across a stage boundary (both taps call this)."""
         nbytes = self.log.put(key, _host_copy(tensor))
         boundary = (key[2], key[3])
         volume = self._volume_now
@@ -268,7 +273,7 @@ class Pipeline:
 
     def _serve(self, kind: str, index: int, mb: int, infos: tuple) -> None:
         assert self.replay is not None
-        step = self.rec.step
+        step = self.view.step
         ordinals: dict[int, int] = {}
         with torch.no_grad():
             for info in infos:
@@ -287,18 +292,18 @@ class Pipeline:
 
     def collective(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A collective inside a step: logged live, served from the log in a replay."""
-        key = (self.rec.step, self._coll_seq)
+        key = (self.view.step, self._coll_seq)
         self._coll_seq += 1
         outputs = _outputs(name, args, kwargs)
-        if self.replay is not None and not _members(args, kwargs, self.rec.world_size) <= self.replay["together"]:
+        if self.replay is not None and not _members(args, kwargs, self.view.world_size) <= self.replay["together"]:
             # a collective with ranks that do not replay: its result comes from a neighbour's log, which is this
             # call's result only if that neighbour took part in it (a pipeline-wide one, not another stage's
             # data-parallel one). One among replaying ranks only (the replicas of a stage replaying in lockstep,
             # or the whole job) runs live.
             server = self.replay["server"]
-            if server is None or server not in _members(args, kwargs, self.rec.world_size):
+            if server is None or server not in _members(args, kwargs, self.view.world_size):
                 raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step on a group of ranks "
-                                    f"{sorted(_members(args, kwargs, self.rec.world_size))}: it has ranks that "
+                                    f"{sorted(_members(args, kwargs, self.view.world_size))}: it has ranks that "
                                     "do not replay, and no neighbour serving this replay's logs took part in it")
             if name not in _LOGGED_COLLECTIVES:
                 raise RecoveryError(f"replay cannot reproduce dist.{name} inside a step (only {', '.join(_LOGGED_COLLECTIVES)} are logged)")
@@ -309,9 +314,7 @@ class Pipeline:
             with torch.no_grad():
                 for out, value in zip(outputs, logged):
                     out.copy_(value)
-            from swiftrun.runtime.comm.collectives import _Done
-
-            return _Done() if kwargs.get("async_op") else None
+            return intercept.Done() if kwargs.get("async_op") else None
         result = fn(*args, **kwargs)
         if kwargs.get("async_op") and result is not None:
             result.wait()  # its value is logged now; the caller's wait() on a completed work returns at once
@@ -335,11 +338,28 @@ class Pipeline:
             return
         self._retire(self.exchange.complete_step)
         due = step % self.every == 0 or self.force_checkpoint
-        if due and self.groups is None and step > 0 and pp_logplan.budget() is not None:
-            pp_logplan.decide(self, step)  # a collective: every rank reaches this checkpoint step
+        if due and self.groups is None and step > 0 and selective.budget() is not None:
+            self._choose_logging(step)  # a collective: every rank reaches this checkpoint step
         if due:
             self._exchange(step)
             self.force_checkpoint = False
+
+    def _choose_logging(self, step: int) -> None:
+        """Selective logging (runtime/pp/selective.py): every rank's profile to every rank, the same plan chosen
+        everywhere, adopted; rank 0 tells the launcher."""
+        pipe = self.pipe_ranks()
+        mine = selective.profile(pipe.index(self.view.rank), len(pipe), self.stage_indices, self.num_stages,
+                                 self.compute_steps, self.volume)
+        rows: list[Any] = [None] * self.view.world_size
+        dist.all_gather_object(rows, mine)
+        limit = selective.budget()
+        assert limit is not None
+        decision = selective.decide(rows, self.every, limit)
+        self.adopt((decision.groups, None if decision.logged is None else sorted(decision.logged)))
+        log.info("step %d: %s", step, decision.message)
+        if self.view.rank == 0:
+            self.link.send_event(EventKind.LOG_PLAN, gen=self.view.generation, message=decision.message, step=step,
+                                 **decision.data)
 
     def _retire(self, complete: int) -> None:
         """Checkpoint ``complete`` is installed at every holder: no replay can start before it any more."""
@@ -368,7 +388,7 @@ class Pipeline:
         """Snapshot this rank's checkpoint of ``step`` and exchange it in the background: to the next rank of the
         pipeline, the previous rank's in (runtime/pp/ckpt.py)."""
         prev, nxt = self._neighbours()
-        if prev == self.rec.rank or self.channel is None:
+        if prev == self.view.rank or self.channel is None:
             return  # a one-rank pipeline has nobody to hold its checkpoint (a DP-only job never gets here)
         if self.exchange.running:  # the previous one is still under way: one at a time
             started = time.monotonic()
@@ -381,11 +401,11 @@ class Pipeline:
         keep = tuple(own[1].flat for own in (self.own, self.own_prev) if own is not None)
         # the DDP bucket layouts this step runs with: a stage whose every replica replays from this checkpoint
         # rebinds its reducers with them, so its all-reduce sums what the failure-free run summed (ddp.py)
-        layouts = self.rec.next_layouts(step - 1) if self.rec.reg.ddps else None
-        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.rec.reg), "rng": rng_state(),
+        layouts = self.next_layouts(step - 1) if self.reg.ddps else None
+        snap, ready = self._snapshots.take({"step": step, "tree": st.state_tree(self.reg), "rng": rng_state(),
                                             "layouts": layouts}, keep)
         log.debug("stage checkpoint of step %d: snapshot in %.3fs", step, time.monotonic() - started)
-        self.exchange.start(step, snap, self.channel, nxt, prev, self.rec.group.device(), ready=ready,
+        self.exchange.start(step, snap, self.channel, nxt, prev, self.group.device(), ready=ready,
                             install=lambda s, received, sent: self._install(prev, s, received, sent))
 
     def _install(self, prev: int, step: int, received: Packed, sent: Packed) -> None:
@@ -395,7 +415,7 @@ class Pipeline:
         self.held_prev, self.held = self.held, (prev, step, received)
         self.own_prev, self.own = self.own, ((step, sent) if self.keep_own else None)
         if self.disk is not None:
-            self.disk.write(self.rec.rank, step, sent)
+            self.disk.write(self.view.rank, step, sent)
             self.disk.flush()  # complete means on disk too: the copy of last resort needs the same logs
 
     # ------------------------------------------------------------------ recovery
@@ -404,12 +424,12 @@ class Pipeline:
         held_for, held_step = (self.held[0], self.held[1]) if self.held is not None else (-1, -1)
         prev = self.held_prev
         held_prev_step = prev[1] if prev is not None and prev[0] == held_for else -1
-        return StageStatus(self.rec.rank, valid, updates, boundary, undoable, self.stage_indices, self.pipe_ranks(),
+        return StageStatus(self.view.rank, valid, updates, boundary, undoable, self.stage_indices, self.pipe_ranks(),
                            held_for, held_step, self.log_start, outside,
                            own_step=self.own[0] if self.own is not None else -1,
                            held_prev_step=held_prev_step,
                            own_prev_step=self.own_prev[0] if self.own_prev is not None else -1,
-                           disk_step=self.disk.latest(self.rec.rank) if self.disk is not None else -1)
+                           disk_step=self.disk.latest(self.view.rank) if self.disk is not None else -1)
 
     def part_for(self, replay: Any, member: int, point: int, checkpoint: bool, logs: bool, coll: bool) -> dict:
         """What this rank hands ``member`` of a replay set: the checkpoint it holds for it, the logged sends to its
@@ -419,7 +439,7 @@ class Pipeline:
             held = next((h for h in (self.held, self.held_prev)
                          if h is not None and h[0] == member and h[1] == replay.start), None)
             if held is None:
-                raise RecoveryError(f"rank {self.rec.rank} does not hold the checkpoint of step {replay.start} of "
+                raise RecoveryError(f"rank {self.view.rank} does not hold the checkpoint of step {replay.start} of "
                                     f"rank {member}")
             part["checkpoint"] = held[2]
         if logs:
@@ -448,7 +468,7 @@ class Pipeline:
         loaded = checkpoint.unpack()
         if loaded["step"] != replay.start:
             raise RecoveryError(f"the stage checkpoint received is of step {loaded['step']}, not {replay.start}")
-        st.install(self.rec.reg, loaded["tree"])
+        st.install(self.reg, loaded["tree"])
         set_rng_state(loaded["rng"])
         self.replay = {"start": replay.start, "until": point, "log": logs, "coll": coll,
                        "live": set(replay.stages), "together": set(replay.cohort),

@@ -1,21 +1,70 @@
-"""Parallel replay's messages (runtime/pp/parallel.py): any nested structure of tensors and plain values between
-two ranks of the current generation's default group, on tags of its own. A small pickled header travels first,
-each tensor then as it is (no serialisation, no host copy of parameters and gradients)."""
+"""A pipeline recovery's point-to-point messages between two ranks of the current generation's default group.
+
+Two kinds, each on tags of its own, apart from the schedule's own traffic (tag 0):
+
+- whole objects, pickled with ``torch.save`` (:func:`send_obj`/:func:`recv_obj`, the hand-over of stage
+  checkpoints and logs; :func:`swap`, one step of the checkpoint exchange's ring);
+- parallel replay's messages (runtime/pp/parallel.py, :func:`send`/:func:`recv`): any nested structure of tensors
+  and plain values; a small pickled header travels first, each tensor then as it is (no serialisation, no host
+  copy of parameters and gradients).
+"""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from swiftrun.runtime.pp.handover import from_bytes, to_bytes
+from swiftrun.runtime.state import skeleton as skeleton_of
 
-TAG_SIZE, TAG_DATA = 0x5719, 0x571A  # apart from the schedule's traffic (0) and the hand-over's (0x5717/8)
+_TAG_SIZE, _TAG_DATA = 0x5717, 0x5718  # whole objects: the hand-over, the checkpoint exchange
+TAG_SIZE, TAG_DATA = 0x5719, 0x571A  # parallel replay's messages
 
 
 def _tags(device: torch.device, tag: int) -> dict:
-    return {} if device.type == "cuda" else {"tag": tag}
+    return {} if device.type == "cuda" else {"tag": tag}  # NCCL has no tags: order per pair is enough
+
+
+def to_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    # a view of the buffer, not a copy of it (a stage checkpoint is the size of the stage's state)
+    return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+
+
+def from_bytes(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
+
+
+def swap(data: torch.Tensor, to: int, frm: int, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Send ``data`` to ``to`` while receiving the same kind of message from ``frm`` (one step of a ring), on
+    ``group`` (global ranks; None: the default group)."""
+    size_out = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    size_in = torch.empty(1, dtype=torch.int64, device=device)
+    for work in (dist.isend(size_out, to, group=group, **_tags(device, _TAG_SIZE)),
+                 dist.irecv(size_in, frm, group=group, **_tags(device, _TAG_SIZE))):
+        work.wait()
+    inbound = torch.empty(int(size_in.item()), dtype=torch.uint8, device=device)
+    for work in (dist.isend(data.to(device), to, group=group, **_tags(device, _TAG_DATA)),
+                 dist.irecv(inbound, frm, group=group, **_tags(device, _TAG_DATA))):
+        work.wait()
+    return inbound.cpu()
+
+
+def send_obj(obj: Any, to: int, device: torch.device) -> None:
+    data = to_bytes(obj).to(device)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), to, **_tags(device, _TAG_SIZE))
+    dist.send(data, to, **_tags(device, _TAG_DATA))
+
+
+def recv_obj(frm: int, device: torch.device) -> Any:
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, frm, **_tags(device, _TAG_SIZE))
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(data, frm, **_tags(device, _TAG_DATA))
+    return from_bytes(data)
 
 
 class _Slot:
@@ -35,36 +84,21 @@ class _Slot:
 
 def _lift(value: Any, tensors: list[torch.Tensor]) -> Any:
     """``value`` with every tensor replaced by a slot; the tensors (contiguous, detached) appended in order."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().contiguous())
-        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_lift(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _lift(v, tensors) for k, v in value.items()}
-    return value
+    def slot(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf.detach().contiguous())
+        return _Slot(len(tensors) - 1, tuple(leaf.shape), leaf.dtype)
+
+    return skeleton_of.map_tree(value, slot)
 
 
-def _slots(value: Any, out: list[_Slot]) -> list[_Slot]:
-    if isinstance(value, _Slot):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _slots(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _slots(v, out)
-    return out
+def _slots(lifted: Any) -> list[_Slot]:
+    return [leaf for leaf in skeleton_of.leaves(lifted) if isinstance(leaf, _Slot)]
 
 
-def _drop(value: Any, tensors: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, _Slot):
-        return tensors[value.index]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_drop(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return {k: _drop(v, tensors) for k, v in value.items()}
-    return value
+def _drop(lifted: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    return skeleton_of.map_tree(lifted, lambda leaf: tensors[leaf.index] if isinstance(leaf, _Slot) else leaf)
 
 
 def send(obj: Any, peer: int, device: torch.device) -> list:
@@ -95,7 +129,7 @@ def recv(frm: int, device: torch.device) -> Any:
     dist.recv(header, frm, **_tags(device, TAG_DATA))
     lifted = from_bytes(header)
     tensors: dict[int, torch.Tensor] = {}
-    for slot in sorted(_slots(lifted, []), key=lambda s: s.index):
+    for slot in sorted(_slots(lifted), key=lambda s: s.index):
         t = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         if t.numel():
             dist.recv(t, frm, **_tags(device, TAG_DATA))
@@ -105,20 +139,8 @@ def recv(frm: int, device: torch.device) -> Any:
 
 def cpu(value: Any) -> Any:
     """Detached host copies of the tensors in a nested structure (what goes into a message)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: cpu(v) for k, v in value.items()}
-    return value
+    return skeleton_of.map_tree(value, lambda leaf: leaf.detach().cpu() if isinstance(leaf, torch.Tensor) else leaf)
 
 
 def to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: to(v, device) for k, v in value.items()}
-    return value
+    return skeleton_of.map_tree(value, lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf)

@@ -24,8 +24,9 @@ one-element tensors (Adam's ``step``), empty tensors, sparse, quantized and meta
 object is pickled with it). Inline tensors are cloned to the CPU for pickling (a view never drags its whole
 storage along) and restored on the receiver's ``device`` when they came from the group's device type.
 
-Containers keep their type: dict subclasses (``OrderedDict`` with its ``_metadata``, as ``state_dict`` returns)
-are rebuilt from a shallow copy, namedtuples with their fields. A tensor that appears several times on the
+Containers keep their type, by the rules of :mod:`swiftrun.runtime.state.skeleton` (the one walk the runtime's
+skeletons share: dict subclasses such as ``state_dict``'s ``OrderedDict`` with its ``_metadata`` rebuilt from a
+shallow copy, namedtuples from their fields). A tensor that appears several times on the
 source (tied weights: the same storage, offset, shape and strides) is sent once; a receiver that allocates it
 gets one tensor at every path (the tie survives), one that provides destinations gets each written.
 
@@ -45,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from swiftrun.runtime.state import skeleton as skeleton_of
 from swiftrun.runtime.state.blocks import element_blocks
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # on a GPU: large messages amortise NCCL's per-collective latency
@@ -52,7 +54,7 @@ DEFAULT_CPU_CHUNK_BYTES = 16 << 20  # gloo on the CPU: as fast as 64 MiB or fast
 MIN_CHUNK_BYTES = 16  # the largest element (complex128) must fit in a chunk
 FORMAT = 1
 
-Path = tuple[Any, ...]
+Path = skeleton_of.Path
 Destination = Callable[[Path, torch.Size, torch.dtype, torch.device], "torch.Tensor | None"]
 
 
@@ -207,43 +209,7 @@ class _Splitter:
             if obj.requires_grad:
                 cpu.requires_grad_(True)
             return _Inline(cpu, t.device.type)
-        return _map_containers(obj, self.split)
-
-
-def _map_containers(obj: Any, fn: Callable[[Any], Any], path: Path | None = None,
-                    pfn: Callable[[Any, Path], Any] | None = None) -> Any:
-    """Apply ``fn`` (or ``pfn`` with paths) to the children of a dict/list/tuple, keeping the container type."""
-    def child(value: Any, key: Any) -> Any:
-        return pfn(value, path + (key,)) if pfn is not None else fn(value)
-
-    if isinstance(obj, dict):
-        if type(obj) is dict:
-            return {k: child(v, k) for k, v in obj.items()}
-        out = _shallow_copy(obj)
-        for k, v in obj.items():
-            out[k] = child(v, k)
-        return out
-    if isinstance(obj, list):
-        items = [child(v, i) for i, v in enumerate(obj)]
-        if type(obj) is list:
-            return items
-        out = _shallow_copy(obj)
-        out[:] = items
-        return out
-    if isinstance(obj, tuple):
-        items = [child(v, i) for i, v in enumerate(obj)]
-        if type(obj) is tuple:
-            return tuple(items)
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)
-    return obj
-
-
-def _shallow_copy(obj: Any) -> Any:
-    import copy
-
-    return copy.copy(obj)  # keeps the subclass and its attributes (state_dict's _metadata)
+        return obj
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,7 +233,7 @@ def encode(tree: Any, device: torch.device, chunk_bytes: Any) -> tuple[dict[str,
     """Source: the header to broadcast (skeleton, specs, chunk size) and the streamed tensors, in spec order."""
     chunk_bytes = validate_chunk_bytes(chunk_bytes)
     splitter = _Splitter(device)
-    skeleton = splitter.split(tree)
+    skeleton = skeleton_of.map_tree(tree, splitter.split)
     return {"format": FORMAT, "chunk_bytes": chunk_bytes, "specs": splitter.specs, "tree": skeleton}, splitter.tensors
 
 
@@ -458,9 +424,9 @@ def _resolve(skeleton: Any, specs: list[_Spec], device: torch.device, destinatio
                 except Exception as exc:  # noqa: BLE001
                     problems.append(f"cannot place {path_str(path)} on {where}: {exc}")
             return value
-        return _map_containers(obj, lambda x: x, path, rebuild)
+        return obj
 
-    tree = rebuild(skeleton, ())
+    tree = skeleton_of.map_tree_at(skeleton, rebuild)
     return ("; ".join(problems) or None), tree, targets, allocated, inline_copies
 
 
