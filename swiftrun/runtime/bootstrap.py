@@ -18,6 +18,7 @@ import runpy
 import signal
 import sys
 import traceback
+import types
 from types import TracebackType
 
 from swiftrun.protocol.control import CommandKind, EventKind
@@ -50,10 +51,54 @@ def _warm_torch() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    fake = dist.group.WORLD
     try:
         DistributedDataParallel(torch.nn.Linear(2, 2))
     finally:
         dist.destroy_process_group()
+        forget_group(fake)
+
+
+def forget_group(group: object) -> int:
+    """Unbind ``group`` from every module imported while it was the default group; returns how many bindings.
+
+    A module can capture the default group when it is imported: ``torch.distributed.nn.functional`` writes
+    ``group=group.WORLD`` as its functions' default arguments, evaluated then. Imported during the warm-up, they
+    would run every later call on the warm-up's fake group (a replacement's all-reduce returning its local values,
+    its all_gather failing with "not initialized in the world group map"). A cold process imports such a module
+    before ``init_process_group`` and binds None, which means "the default group at call time": the warm process
+    is made to hold exactly that. Found by identity in module globals, functions' defaults and the functions of
+    module-level classes (where torch keeps such defaults); nothing is imported or evaluated on the way.
+    """
+    forgotten = 0
+
+    def unbind(fn: object) -> None:
+        nonlocal forgotten
+        if type(fn) is not types.FunctionType:  # exact type: no __instancecheck__ of torch's opaque classes runs
+            return
+        defaults = fn.__defaults__
+        if defaults and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
+            forgotten += 1
+        kwdefaults = fn.__kwdefaults__
+        if kwdefaults and any(d is group for d in kwdefaults.values()):
+            fn.__kwdefaults__ = {k: None if d is group else d for k, d in kwdefaults.items()}
+            forgotten += 1
+
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if value is group:
+                namespace[name] = None
+                forgotten += 1
+            elif type(value) is types.FunctionType:
+                unbind(value)
+            elif type(value) is type and value.__module__ == namespace.get("__name__"):
+                for member in list(vars(value).values()):
+                    unbind(getattr(member, "__func__", member))  # plain, class and static methods
+    return forgotten
 
 
 def _set_idle_priority(native_thread_id: int, idle: bool) -> None:

@@ -35,6 +35,8 @@ ARGS = {  # short runs: a few seconds each beyond importing torch
     "gpt": ("--steps", "16"),
     "ema": ("--steps", "16"),
     "eval_ckpt": ("--steps", "40"),
+    "sync_bn": ("--steps", "16"),
+    "contrastive": ("--steps", "16"),
 }
 
 
@@ -112,6 +114,19 @@ def test_failure_free_zoo_matches_torchrun(script, zoo_reference, tmp_path, mark
     results, expected = load(save), load(zoo_reference(script))
     for rank in range(WORLD):
         assert differing_keys(results[rank], expected[rank]) == [], f"rank {rank}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script", ["sync_bn", "contrastive"])
+def test_a_warm_spare_runs_forward_collectives_on_the_jobs_group(script, zoo_reference, tmp_path, marker):
+    """torch.distributed.nn.functional binds ``group=group.WORLD`` as a default argument when imported; a spare's
+    warm-up imported it under its fake group, so the replacement's forward all-reduce (sync_bn: statistics of the
+    global batch) returned local values and its all_gather (contrastive: a loss over the global batch) failed on
+    a group that is not in the world map. Rank 1 dies mid-forward at step 5 and a warm spare (the default
+    --spares 1) takes over: the job must end bitwise as the failure-free torchrun run, with one recovery."""
+    save, records = swiftrun_zoo(script, tmp_path, marker, faults=("1:5:forward:sigkill",))
+    assert [r["outcome"] for r in recoveries(records)] == ["recovered"]
+    assert_same_as_reference(save, zoo_reference(script), records)
 
 
 @pytest.mark.timeout(300)
