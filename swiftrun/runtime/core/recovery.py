@@ -321,6 +321,19 @@ class Recovery:
         """The last step whose optimizer update this rank's state holds (the step in progress if partial)."""
         return self.completed + (1 if self.partial else 0)
 
+    @property
+    def between_steps(self) -> bool:
+        """The failure reached this rank outside a step's body (evaluation, a checkpoint barrier after the
+        guard): what that code does next may depend on a skipped collective, so a recovery asks for the states to
+        be compared at the next step."""
+        return not self.joining and not self.partial and self.step == self.completed
+
+    def resume_after(self, point: int, valid: bool = True) -> None:
+        """A strategy's recovery put this rank's state at the end of step ``point``: training goes on with the
+        step after it (``valid`` False: the state is not one to copy from yet, a stage still replaying)."""
+        self.completed, self.partial, self.valid = point, False, valid
+        self.next_step = point + 1
+
     def next_layouts(self, point: int) -> list:
         """The bucket layout each DDP wrapper must be rebound with to redo step ``point + 1`` (ddp.next_layout)."""
         return [ddp_tools.next_layout(d, o, point) for d, o in zip(self.reg.ddps, self._orders)]

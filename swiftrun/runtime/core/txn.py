@@ -128,12 +128,12 @@ class Copier:
 
     def freeze(self, tree: Tree, path: str = "") -> Tree:
         """A copy of ``tree``: each tensor in the buffer kept for its path, anything else deep-copied."""
-        return skeleton.map_tree_at(
-            tree, lambda leaf, at: self._freeze_leaf(leaf, path + "".join(f".{k}" for k in at)))
+        return skeleton.map_tree_at(tree, lambda leaf, at: self._freeze_leaf(leaf, path, at))
 
-    def _freeze_leaf(self, leaf: Any, path: str) -> Any:
+    def _freeze_leaf(self, leaf: Any, root: str, at: tuple) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return copy.deepcopy(leaf)
+        path = root + "".join(f".{k}" for k in at)  # the buffer's key, only built for a tensor
         kept = self._buffers.get(path)
         value = leaf.detach()
         if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != value.device:
@@ -257,20 +257,10 @@ class Transaction:
             reg.load_user_state(_clone_tree(snap.user))
 
 
-_IMMUTABLE = frozenset((int, float, bool, complex, str, bytes, type(None)))
-
-
-def _immutable(value: Any) -> bool:
-    """A value no one can change in place (a number, a string, a flat tuple of them: Adam's betas), so that
-    keeping a reference is keeping a copy. Exact types only: a subclass may carry mutable state."""
-    kind = type(value)
-    return kind in _IMMUTABLE or (kind is tuple and _IMMUTABLE.issuperset(map(type, value)))
-
-
 def _settings(group: dict[str, Any], copier: Copier, path: str) -> dict[str, Any]:
     """A param group's settings but its params: immutable values by reference (deep-copying a dozen floats and
     flags per group at every step start was most of the snapshot's cost), the rest (a tensor lr, a list) copied."""
-    return {k: v if _immutable(v) else copier.freeze(v, f"{path}.{k}")
+    return {k: v if skeleton.immutable(v) else copier.freeze(v, f"{path}.{k}")
             for k, v in group.items() if k != "params"}
 
 

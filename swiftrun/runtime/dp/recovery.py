@@ -66,8 +66,7 @@ class DataParallel(Strategy):
         self._transfer(plan)
         self.buffers.install(canonical)
         phases["transfer"] = time.monotonic() - t
-        rec.completed, rec.partial, rec.valid = plan.point, False, True
-        rec.next_step = plan.point + 1
+        rec.resume_after(plan.point)
         rec.forget_undo_records()
         rec.reg.clear_grads()
 
@@ -83,7 +82,7 @@ class DataParallel(Strategy):
         rec = self.rec
         held = self.buffers.indices and rec.valid
         return RankStatus(rec.rank, rec.valid, rec.position, not rec.partial, rec.undoable(),
-                          outside_step=not rec.joining and not rec.partial and rec.step == rec.completed,
+                          outside_step=rec.between_steps,
                           buffers_next=not held or self.buffers.offers(rec.position + 1),
                           buffers_undo=not held or self.buffers.offers(rec.position))
 

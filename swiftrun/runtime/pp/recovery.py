@@ -132,8 +132,7 @@ class PipelineRecovery(Strategy):
         by its replacement (see runtime/pp/plan.py)."""
         rec, pp = self.rec, self.pipeline
         t = time.monotonic()
-        mine = pp.status(rec.valid, rec.position, not rec.partial, rec.undoable(),
-                         not rec.joining and not rec.partial and rec.step == rec.completed)
+        mine = pp.status(rec.valid, rec.position, not rec.partial, rec.undoable(), rec.between_steps)
         rows: list[Any] = [None] * rec.world_size
         dist.all_gather_object(rows, (mine, pp.logging_plan()))
         # a replacement missed the logging plan chosen before it started: it takes the survivors'
@@ -173,11 +172,9 @@ class PipelineRecovery(Strategy):
         pp.reset_schedule()
         pp.force_checkpoint = True  # the replacement lost what it held for its neighbours: exchange again
         if replaying is not None:
-            rec.completed, rec.partial, rec.valid = replaying.start - 1, False, False
-            rec.next_step = replaying.start
+            rec.resume_after(replaying.start - 1, valid=False)
         else:
-            rec.completed, rec.partial, rec.valid = plan.point, False, True
-            rec.next_step = plan.point + 1
+            rec.resume_after(plan.point)
             if own_rng is not None:
                 set_rng_state(own_rng)
         rec.verify_next = False  # stages are not replicas: their states are not compared

@@ -13,7 +13,7 @@ them alike. The rules:
 - a ``list`` is a container; a subclass likewise;
 - a ``tuple`` is a container: a namedtuple is rebuilt from its fields, any other subclass (``torch.Size``, a
   ``torch.return_types`` struct sequence) from the sequence of its items;
-- ``None``, ``bool``, ``int``, ``float``, ``str`` and ``bytes`` are immutable atoms, kept as they are without a
+- ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str`` and ``bytes`` are immutable atoms, kept as they are without a
   call to the leaf function; a tuple made only of atoms (Python's RNG state is 625 ints) is kept whole without a
   walk, which a stage checkpoint would otherwise pay for at every step that takes one;
 - anything else (a tensor, a placeholder, an arbitrary object) is a leaf: the leaf function decides.
@@ -30,7 +30,7 @@ from typing import Any
 
 Path = tuple[Any, ...]  # the keys and indices from the root to a leaf
 
-ATOMS = frozenset((type(None), bool, int, float, str, bytes))
+ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes))
 
 
 def map_tree(tree: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -54,6 +54,13 @@ def leaves(tree: Any) -> Iterator[Any]:
                 yield from leaves(value)
     elif type(tree) not in ATOMS:
         yield tree
+
+
+def immutable(value: Any) -> bool:
+    """A value nobody can change in place: an atom, or a plain tuple of atoms (Adam's betas), so that keeping a
+    reference is keeping a copy. Exact types only: a subclass may carry mutable state."""
+    kind = type(value)
+    return kind in ATOMS or (kind is tuple and _atomic(value))
 
 
 def _map(obj: Any, leaf: Callable[[Any, Path | None], Any], path: Path | None) -> Any:
