@@ -570,7 +570,8 @@ def launch(
         bool,
         _own("--exact-undo/--no-exact-undo", panel=SWIFT,
              help="Copy the parameters and optimizer state before every optimizer step, so that an undone update "
-                  "is restored bitwise (costs their memory and a copy per step; default: invert it, a few ULP off)."),
+                  "is restored bitwise (costs their memory and a copy per step; default: invert it arithmetically, "
+                  "not bitwise: 1.5e-4 relative measured on an AdamW job)."),
     ] = False,
     transfer_chunk_mb: Annotated[
         int,
