@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 import swiftrun.launcher
 from swiftrun import cli
+from swiftrun.cli import parse as cli_parse
 from swiftrun.config import EntrypointKind, FaultSpec, LaunchConfig, RecoveryMode, Std
 from swiftrun.errors import ConfigError, LaunchError
 
@@ -375,10 +376,10 @@ def test_shutdown_timeout_from_torch_env_and_flag(launched) -> None:
 
 
 def test_nproc_gpu_and_auto(launched, monkeypatch) -> None:
-    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 3)
+    monkeypatch.setattr(cli_parse, "_cuda_device_count", lambda: 3)
     assert config_of(launched, ["--nproc-per-node", "gpu", "train.py"]).nproc_per_node == 3
     assert config_of(launched, ["--nproc-per-node", "auto", "train.py"]).nproc_per_node == 3
-    monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(cli_parse, "_cuda_device_count", lambda: 0)
     result = invoke(["--nproc-per-node", "gpu", "train.py"])
     assert result.exit_code == 2 and "CUDA is not available" in result.stderr
     assert config_of(launched, ["--nproc-per-node", "auto", "train.py"]).nproc_per_node == (os.cpu_count() or 1)
