@@ -32,6 +32,7 @@ from swiftrun.dashboard.live import Dashboard
 from swiftrun.events import EventLog, EventName
 from swiftrun.launcher import envs, procs, view
 from swiftrun.launcher.actions import Action, Assign, Finish, Kill, Note, Record, ResetStore, Send, Spawn
+from swiftrun.launcher.contract import SupervisedJob
 from swiftrun.launcher.failures import format_late_failures, format_summary
 from swiftrun.launcher.job import Job
 from swiftrun.launcher.logs import LogPump, OutputPlan, stdio_writer
@@ -77,7 +78,7 @@ class Agent:
         self.live = isinstance(reporter, Dashboard)  # worker output must go above the live region
         self.plan = OutputPlan(config, relay_console=self.live)
         self.pump: LogPump | None = None
-        self.job: Job | None = None
+        self.job: SupervisedJob | None = None  # a local Job here; a RemoteJob in a multi-node agent
         self._reaped: set[int] = set()
         self.zygote = ZygoteClient()
         self._zygote_restarts = 0
@@ -139,11 +140,12 @@ class Agent:
     def _begin(self, now: float) -> None:
         """Start the job: on one node the local state machine decides."""
         self._note(f"event log: {self.event_log_path}")
-        self.job = Job(self.config, now, wall_offset=time.time() - time.monotonic(),
-                       registers=uses_swiftrun(self.config.entrypoint))
+        job = Job(self.config, now, wall_offset=time.time() - time.monotonic(),
+                  registers=uses_swiftrun(self.config.entrypoint))
+        self.job = job
         self.event_log.write(EventName.JOB_START, config=_config_dict(self.config), world_size=self.config.world_size,
                              script=self.config.entrypoint.target, pid=os.getpid())
-        self._execute(self.job.start(time.monotonic()))
+        self._execute(job.start(time.monotonic()))
 
     def _store_endpoint(self) -> tuple[str, int]:
         c = self.config
@@ -571,7 +573,7 @@ class Agent:
         self.reporter.update(self.snapshot(now))
 
     def snapshot(self, now: float) -> JobSnapshot:
-        assert self.job is not None
+        assert isinstance(self.job, Job)  # a node agent publishes no snapshot of its own (NodeAgent._publish)
         return view.job_snapshot(self.job, self.config, now, started_at=self.t0, notes=tuple(self.notes),
                                  event_log=str(self.event_log_path), steps_per_s=self._steps_per_s(),
                                  local_rank=self._local)

@@ -42,6 +42,7 @@ from swiftrun.launcher.actions import (
     Send,
     Spawn,
 )
+from swiftrun.launcher.barrier import Member, RecoveryBarrier
 from swiftrun.launcher.failures import ProcessFailure
 from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
@@ -168,12 +169,10 @@ class Job:
         # ranks whose current slot has not registered swiftrun.Run yet: kept as slots change hands, so checking
         # "did every rank register?" on each REGISTERED is O(1), not a walk of the world (O(world^2) at start)
         self._unregistered: set[int] = set()
-        # the same idea for the recovery barrier and the end of training: ranks whose current slot has not yet
-        # answered this generation (survivors: ABORTED; replacements: JOINING), not yet RECOVERED, not FINISHING
-        # (each set is refilled in one walk when a recovery begins; each event then removes one rank)
-        self._unready_survivors: set[int] = set()
-        self._unready_replacements: set[int] = set()
-        self._unrecovered: set[int] = set()
+        # who the current recovery generation still waits for (launcher/barrier.py): refilled in one walk when a
+        # generation begins, each answer then removes one rank
+        self.barrier = RecoveryBarrier()
+        # the same idea for the end of training: ranks whose current slot has not said FINISHING yet
         self._unfinished: set[int] = set()
         self.stop_deadline: float | None = None
         self.exit_code: int | None = None
@@ -286,8 +285,7 @@ class Job:
             if kind is EventKind.JOINING:
                 slot.joined = True
             if gen == self.generation and self._is_current(slot):
-                self._unready_survivors.discard(slot.rank)
-                self._unready_replacements.discard(slot.rank)
+                self.barrier.answered(slot.rank)
             return self._advance_recovery(now)
         if kind is EventKind.REPLAYING:
             return self._on_replay_progress(slot, gen, data, now)
@@ -296,7 +294,7 @@ class Job:
                 slot.recovered_gen = gen
                 slot.recovery_data = dict(data)
                 if self._is_current(slot):
-                    self._unrecovered.discard(slot.rank)
+                    self.barrier.recovered(slot.rank)
                 if self.recovery is not None:  # a newer generation's plan must not hide an earlier undo
                     self.recovery.undo = _undone(self.recovery.undo, data.get("plan"))
             return self._advance_recovery(now)
@@ -465,11 +463,11 @@ class Job:
             return []
         rec.resend_at = now + RESEND_INTERVAL
         if rec.recover_sent_at is None:
-            kind, args, owing = CommandKind.ABORT, {}, self._unready_survivors | self._unready_replacements
+            kind, args = CommandKind.ABORT, {}
         else:
-            kind, args, owing = CommandKind.RECOVER, rec.recover_args, self._unrecovered
+            kind, args = CommandKind.RECOVER, rec.recover_args
         actions: list[Action] = []
-        for rank in sorted(owing):
+        for rank in sorted(self.barrier.owing(recover_sent=rec.recover_sent_at is not None)):
             slot = self.slots[self.rank_slot[rank]]
             if slot.alive and slot.hello:  # a replacement still starting has no link to hear it yet
                 actions.append(self._command(slot, kind, args))
@@ -773,17 +771,13 @@ class Job:
         return {"nodes": sorted({self._node_of_rank(rank) for rank in ranks})}
 
     def _fill_recovery_barrier(self) -> None:
-        """Who the new generation waits for: one walk over the ranks per recovery, so that each of the world's
-        ABORTED/JOINING/RECOVERED events costs O(1) (walking every rank per event: ~110 s + 80 s of one recovery
-        at 10,000 ranks)."""
+        """Who the new generation waits for: one walk over the ranks per generation (launcher/barrier.py)."""
         gen = self.generation
-        self._unready_survivors, self._unready_replacements, self._unrecovered = set(), set(), set()
-        for rank, slot_id in self.rank_slot.items():
-            slot = self.slots[slot_id]
-            if slot.ready_gen != gen:
-                (self._unready_replacements if slot.replacement else self._unready_survivors).add(rank)
-            if slot.recovered_gen != gen:
-                self._unrecovered.add(rank)
+        slots = ((rank, self.slots[slot_id]) for rank, slot_id in self.rank_slot.items())
+        self.barrier = RecoveryBarrier.of(gen, (
+            Member(rank, slot.replacement, ready=slot.ready_gen == gen, recovered=slot.recovered_gen == gen)
+            for rank, slot in slots
+        ))
 
     def _is_current(self, slot: Slot) -> bool:
         """``slot`` serves its rank now (not an older incarnation of it, not a spare)."""
@@ -803,11 +797,11 @@ class Job:
         actions: list[Action] = []
         if rec.recover_sent_at is None:
             # O(1) per event: the sets say who has not answered; the walks below happen once per phase
-            if RecoveryPhase.ABORT not in rec.phase_duration and not self._unready_survivors:
+            if RecoveryPhase.ABORT not in rec.phase_duration and self.barrier.survivors_ready:
                 actions += self._end_phase(RecoveryPhase.ABORT, now)
-            if RecoveryPhase.SPAWN not in rec.phase_duration and not self._unready_replacements:
+            if RecoveryPhase.SPAWN not in rec.phase_duration and self.barrier.replacements_ready:
                 actions += self._end_phase(RecoveryPhase.SPAWN, now)
-            if self._unready_survivors or self._unready_replacements:
+            if not self.barrier.ready:
                 return actions
             ranks = self._rank_slots()
             if all(s.hello for s in ranks):
@@ -819,7 +813,7 @@ class Job:
                     actions.append(self._command(slot, CommandKind.RECOVER, rec.recover_args))
                     actions += self._set_state(slot, WorkerState.RECOVERING, now)
             return actions
-        if not self._unrecovered:
+        if self.barrier.done:
             rec.phase_start[RecoveryPhase.RESUME] = now
             for slot in self._rank_slots():
                 actions.append(self._command(slot, CommandKind.RESUME, {}))

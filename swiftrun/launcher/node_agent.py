@@ -57,7 +57,8 @@ class MirrorSlot:
 
 
 class RemoteJob:
-    """The calls :class:`Agent`'s loop makes on a Job, forwarded to the coordinator."""
+    """The calls :class:`Agent`'s loop makes on a Job (:class:`~swiftrun.launcher.contract.SupervisedJob`),
+    forwarded to the coordinator."""
 
     def __init__(self, config: LaunchConfig, send: Callable[[NodeKind, dict[str, Any]], None], now: float) -> None:
         self.config = config
@@ -215,7 +216,7 @@ class NodeAgent(Agent):
     def _begin(self, now: float) -> None:
         """Join the job: the coordinator decides from here on."""
         self.remote = RemoteJob(self.config, self._to_coordinator, now)
-        self.job = self.remote  # type: ignore[assignment]  (the loop's calls, forwarded)
+        self.job = self.remote  # the loop's calls, forwarded (launcher/contract.py)
         self._join(now)
 
     # ------------------------------------------------------------------ the coordinator link

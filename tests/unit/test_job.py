@@ -1512,13 +1512,13 @@ def test_the_recovery_and_release_barriers_are_kept_per_event_for_the_current_sl
     new = spawn.slot_id
     sim.spawned(new)
     assert sim.job._unfinished == {0, 1, 2}  # the recovery undid rank 0's finish
-    assert (sim.job._unready_survivors, sim.job._unready_replacements) == ({0, 2}, {1})
+    assert (sim.job.barrier.unready_survivors, sim.job.barrier.unready_replacements) == ({0, 2}, {1})
 
     sim.event(0, EventKind.ABORTED, gen=0)  # an answer to an older round counts for nothing
-    assert sim.job._unready_survivors == {0, 2}
+    assert sim.job.barrier.unready_survivors == {0, 2}
     assert phases(sim.event(0, EventKind.ABORTED) + sim.event(2, EventKind.ABORTED)) == ["abort"]
     actions = sim.hello(new) + sim.event(new, EventKind.JOINING)
-    assert len(sends(actions, CommandKind.RECOVER)) == 3 and sim.job._unrecovered == {0, 1, 2}
+    assert len(sends(actions, CommandKind.RECOVER)) == 3 and sim.job.barrier.unrecovered == {0, 1, 2}
     assert sends(sim.event(0, EventKind.RECOVERED) + sim.event(new, EventKind.RECOVERED), CommandKind.RESUME) == []
     assert len(sends(sim.event(2, EventKind.RECOVERED), CommandKind.RESUME)) == 3
     assert sim.job.state is JobState.RUNNING

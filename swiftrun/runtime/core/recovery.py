@@ -31,7 +31,7 @@ from swiftrun.runtime.comm import ddp as ddp_tools
 from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.comm.group import GroupManager
 from swiftrun.runtime.core import undo
-from swiftrun.runtime.core.strategy import RecoveryPlan, Strategy
+from swiftrun.runtime.core.strategy import RecoveryPlan, Strategy, timed
 from swiftrun.runtime.core.txn import PreStepCopy, Transaction, rng_state
 from swiftrun.runtime.state import verify
 from swiftrun.runtime.state.registry import Registry, RegistrationError
@@ -300,11 +300,10 @@ class Recovery:
 
     def _recover_generation(self, gen: int) -> tuple[RecoveryPlan, dict[str, float]]:
         phases: dict[str, float] = {}
-        t = time.monotonic()
-        self.strategy.before_rebuild()
-        self.group.build(gen, self._connect_timeout())
-        faults.fire("recover", max(self.step, 0))
-        phases["rebuild"] = time.monotonic() - t
+        with timed(phases, "rebuild"):
+            self.strategy.before_rebuild()
+            self.group.build(gen, self._connect_timeout())
+            faults.fire("recover", max(self.step, 0))
         self.strategy.after_rebuild()
         return self.strategy.recover(phases), phases
 

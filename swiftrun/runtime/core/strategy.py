@@ -13,6 +13,9 @@ The hooks' defaults are those of a strategy that needs nothing at that moment.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Protocol
 
 
@@ -20,6 +23,18 @@ class RecoveryPlan(Protocol):
     """What a strategy decided, as the launcher's event log records it."""
 
     def as_dict(self) -> dict[str, Any]: ...
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block took to ``phases[name]``: the rank's part of the recovery record (RECOVERED's
+    ``phases``, folded by the launcher into the event log's RECOVERY_PHASE records). Time spent in a block that
+    raised is kept too, so a recovery that fails says where its time went."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.monotonic() - start
 
 
 class Strategy:

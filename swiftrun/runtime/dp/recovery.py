@@ -11,7 +11,6 @@ rank before RECOVERED is reported.
 from __future__ import annotations
 
 import logging
-import time
 import torch
 import torch.distributed as dist
 
@@ -19,7 +18,7 @@ from swiftrun.errors import RecoveryError
 from swiftrun.runtime.comm import ddp as ddp_tools
 from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.core.recovery import Recovery
-from swiftrun.runtime.core.strategy import Strategy
+from swiftrun.runtime.core.strategy import Strategy, timed
 from swiftrun.runtime.core.txn import set_rng_state
 from swiftrun.runtime.dp.buffers import BroadcastBuffers
 from swiftrun.runtime.dp.consensus import Plan, RankStatus, plan_recovery
@@ -49,30 +48,26 @@ class DataParallel(Strategy):
 
     def recover(self, phases: dict[str, float]) -> Plan:
         rec = self.rec
-        t = time.monotonic()
-        plan = self._consensus()
-        phases["consensus"] = time.monotonic() - t
+        with timed(phases, "consensus"):
+            plan = self._consensus()
 
-        t = time.monotonic()
-        if rec.rank in plan.undo:
-            rec.undo_last_update()
-        phases["undo"] = time.monotonic() - t
+        with timed(phases, "undo"):
+            if rec.rank in plan.undo:
+                rec.undo_last_update()
 
-        t = time.monotonic()
-        for note in plan.notes:
-            if rec.rank == plan.source:
-                log.info("recovery plan: %s", note)
-        canonical = self.buffers.gather(plan.point + 1, plan.source)
-        self._transfer(plan)
-        self.buffers.install(canonical)
-        phases["transfer"] = time.monotonic() - t
+        with timed(phases, "transfer"):
+            for note in plan.notes:
+                if rec.rank == plan.source:
+                    log.info("recovery plan: %s", note)
+            canonical = self.buffers.gather(plan.point + 1, plan.source)
+            self._transfer(plan)
+            self.buffers.install(canonical)
         rec.resume_after(plan.point)
         rec.forget_undo_records()
         rec.reg.clear_grads()
 
-        t = time.monotonic()
-        mismatches = verify.compare(rec.reg, self.buffers.per_rank)
-        phases["verify"] = time.monotonic() - t
+        with timed(phases, "verify"):
+            mismatches = verify.compare(rec.reg, self.buffers.per_rank)
         if mismatches:
             raise RecoveryError("replicas differ after the recovery: " + verify.describe(mismatches))
         rec.verify_next = plan.verify_next

@@ -10,7 +10,6 @@ reaches the point; everyone else waits for RESUME meanwhile.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from swiftrun.protocol.control import EventKind
 from swiftrun.runtime.comm import intercept
 from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.core.recovery import Recovery
-from swiftrun.runtime.core.strategy import Strategy
+from swiftrun.runtime.core.strategy import Strategy, timed
 from swiftrun.runtime.core.txn import set_rng_state
 from swiftrun.runtime.dp.buffers import warn_per_rank_buffers
 from swiftrun.runtime.pp import parallel
@@ -131,41 +130,38 @@ class PipelineRecovery(Strategy):
         """One point for every stage; a stage with a surviving replica copies it, a stage without one is replayed
         by its replacement (see runtime/pp/plan.py)."""
         rec, pp = self.rec, self.pipeline
-        t = time.monotonic()
-        mine = pp.status(rec.valid, rec.position, not rec.partial, rec.undoable(), rec.between_steps)
-        rows: list[Any] = [None] * rec.world_size
-        dist.all_gather_object(rows, (mine, pp.logging_plan()))
-        # a replacement missed the logging plan chosen before it started: it takes the survivors'
-        pp.adopt(next((p for s, p in rows if s.valid and p is not None), None))
-        plan = plan_pipeline([s for s, _ in rows], pp.groups)
-        phases["consensus"] = time.monotonic() - t
+        with timed(phases, "consensus"):
+            mine = pp.status(rec.valid, rec.position, not rec.partial, rec.undoable(), rec.between_steps)
+            rows: list[Any] = [None] * rec.world_size
+            dist.all_gather_object(rows, (mine, pp.logging_plan()))
+            # a replacement missed the logging plan chosen before it started: it takes the survivors'
+            pp.adopt(next((p for s, p in rows if s.valid and p is not None), None))
+            plan = plan_pipeline([s for s, _ in rows], pp.groups)
 
-        t = time.monotonic()
-        if rec.rank in plan.undo:
-            rec.undo_last_update()
-        phases["undo"] = time.monotonic() - t
+        with timed(phases, "undo"):
+            if rec.rank in plan.undo:
+                rec.undo_last_update()
 
-        t = time.monotonic()
-        device = rec.group.device()
-        own_rng = rec.txn.rng_for(plan.point + 1)
-        layouts = rec.next_layouts(plan.point)
-        for source, targets in plan.copies:  # every rank creates every group, in the same order
-            members = sorted({source, *targets})
-            group = rec.group.new_group(members)
-            if rec.rank in members:
-                st.transfer(rec.reg, source, rec.rank, group, device, rec.chunk_bytes)
-                shared = rec.from_source(source, plan.point, group)
-                if rec.rank != source:
-                    own_rng, layouts = shared["rng"], shared["layouts"]
-        for ddp, layout in zip(rec.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
-            rebind(ddp, layout)
-        replaying = hand_over(pp, plan)
-        if replaying is not None and pp.replay is not None and pp.replay["layouts"] is not None:
-            # every replica of this stage replays from the checkpoint's step (pp/plan.py): the reducers run the
-            # layout of that step, as the failure-free run did, not the one of the step after the point
-            for ddp, layout in zip(rec.reg.ddps, pp.replay["layouts"]):
+        with timed(phases, "transfer"):
+            device = rec.group.device()
+            own_rng = rec.txn.rng_for(plan.point + 1)
+            layouts = rec.next_layouts(plan.point)
+            for source, targets in plan.copies:  # every rank creates every group, in the same order
+                members = sorted({source, *targets})
+                group = rec.group.new_group(members)
+                if rec.rank in members:
+                    st.transfer(rec.reg, source, rec.rank, group, device, rec.chunk_bytes)
+                    shared = rec.from_source(source, plan.point, group)
+                    if rec.rank != source:
+                        own_rng, layouts = shared["rng"], shared["layouts"]
+            for ddp, layout in zip(rec.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
                 rebind(ddp, layout)
-        phases["transfer"] = time.monotonic() - t
+            replaying = hand_over(pp, plan)
+            if replaying is not None and pp.replay is not None and pp.replay["layouts"] is not None:
+                # every replica of this stage replays from the checkpoint's step (pp/plan.py): the reducers run the
+                # layout of that step, as the failure-free run did, not the one of the step after the point
+                for ddp, layout in zip(rec.reg.ddps, pp.replay["layouts"]):
+                    rebind(ddp, layout)
         rec.forget_undo_records()
         rec.reg.clear_grads()
         pp.drop_after(plan.point)
@@ -200,9 +196,8 @@ class PipelineRecovery(Strategy):
         leader = next((lead for lead, helpers in assigned.items() if rec.rank in helpers), None)
         if leader is None:
             return
-        t = time.monotonic()
-        setup = parallel.receive_offer(leader, rec.group.device())
-        if setup is not None:
-            steps = parallel.help_replay(rec.rank, setup, rec.group.device())
-            log.info("rank %d helped rank %d replay %d step(s)", rec.rank, leader, steps)
-        phases["help"] = time.monotonic() - t
+        with timed(phases, "help"):
+            setup = parallel.receive_offer(leader, rec.group.device())
+            if setup is not None:
+                steps = parallel.help_replay(rec.rank, setup, rec.group.device())
+                log.info("rank %d helped rank %d replay %d step(s)", rec.rank, leader, steps)
