@@ -18,6 +18,7 @@ statistics, equal on every rank by the script's own synchronisation, must stay e
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,11 @@ def main() -> None:
             run.report(loss=loss.item())
 
     save_final(args.save_dir, rank, final_state(args.steps, ddp_model, [optimizer], [scheduler]))
+    # Free DDP's reducer while the group is still alive: left to interpreter exit, the reducer's last reference
+    # to the gloo group can drop inside ~ProcessGroupGloo, whose thread join then waits on a gloo worker that
+    # waits for the GIL (seen as a hang at exit under plain torchrun on a loaded machine).
+    del run, ddp_model
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -43,7 +43,9 @@ from swiftrun.launcher.actions import (
     Spawn,
 )
 from swiftrun.launcher.barrier import Member, RecoveryBarrier
+from swiftrun.launcher.crashloop import CrashLoop
 from swiftrun.launcher.failures import ProcessFailure
+from swiftrun.launcher.streams import StreamBackups
 from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.snapshot import JobState, RecoveryPhase, WorkerState
 
@@ -160,6 +162,11 @@ class Job:
         self.released = False  # RELEASE went to every rank this attempt: training finished everywhere
         self.late_failures: list[ProcessFailure] = []  # failures after RELEASE: warnings, not job failures
         self.recoveries_used = 0
+        self.crash_loop = CrashLoop()  # the same failure right after each recovery stops recovering in place
+        # set by a rank's REGISTERED/LAYOUT: why no in-place recovery can be exact for this job (a ZeRO or FSDP
+        # shard that exists on one rank only); failures then restart every worker or stop
+        self.unrecoverable: str | None = None
+        self.streams = StreamBackups()  # each rank's RNG streams, for its replacement (launcher/streams.py)
         self.slots: dict[int, Slot] = {}
         self.rank_slot: dict[int, int] = {}
         self.failures: list[ProcessFailure] = []
@@ -267,6 +274,17 @@ class Job:
         if kind is EventKind.LOG_PLAN:
             return [Note(str(data.get("message", ""))), Record(EventName.LOG_PLAN, dict(data))]
         if slot.rank is None or not slot.alive:
+            return []
+        if kind is EventKind.RNG_BACKUP:
+            if self._is_current(slot):
+                self.streams.keep(slot.rank, int(data.get("step", -1)), str(data.get("at", "start")),
+                                  data.get("state"))
+            return []
+        if kind in (EventKind.REGISTERED, EventKind.LAYOUT) and data.get("unrecoverable"):
+            # a lost rank's state would exist nowhere else (runtime/state/layout.py): no in-place recovery
+            if self.unrecoverable is None:
+                self.unrecoverable = str(data["unrecoverable"])
+        if kind is EventKind.LAYOUT:
             return []
         if kind is EventKind.REGISTERED:
             slot.registered = True
@@ -470,7 +488,7 @@ class Job:
         for rank in sorted(self.barrier.owing(recover_sent=rec.recover_sent_at is not None)):
             slot = self.slots[self.rank_slot[rank]]
             if slot.alive and slot.hello:  # a replacement still starting has no link to hear it yet
-                actions.append(self._command(slot, kind, args))
+                actions.append(self._command(slot, kind, self._recover_args(slot) if rec.recover_sent_at else args))
         return actions
 
     def _recovery_laggards(self, now: float) -> list[tuple[Slot, ProcessFailure]]:
@@ -582,9 +600,15 @@ class Job:
         # a lost node fails its ranks with one cause: say it once
         cause = "; ".join(dict.fromkeys(f.cause or f.describe() for _, f in failed))
         if self._can_recover_in_place():
-            return actions + self._begin_recovery([s.rank for s, _ in failed], cause, now, detect)
+            loop = self.crash_loop.verdict([f for _, f in failed], [s.step for s in self._rank_slots()])
+            if loop is None:
+                return actions + self._begin_recovery([s.rank for s, _ in failed], cause, now, detect)
+            actions.append(Record(EventName.WARNING, {"rank": failed[0][0].rank, "message": loop}))
+            return actions + self._escalate(now, f"{cause}; {loop}")
         if self._is_startup_failure([f for _, f in failed]):
             return actions + self._restart_after_startup_failure(now, cause)
+        if self.unrecoverable and self.swift_started:
+            cause = f"{cause}; {self.unrecoverable}"
         return actions + self._escalate(now, cause)
 
     def _expects_registration(self) -> bool:
@@ -655,7 +679,7 @@ class Job:
         return actions + self._maybe_finish(now)
 
     def _can_recover_in_place(self) -> bool:
-        if self.config.recovery is RecoveryMode.RESTART or not self.swift_started:
+        if self.config.recovery is RecoveryMode.RESTART or not self.swift_started or self.unrecoverable:
             return False
         if self.config.world_size < 2 or self.recoveries_used >= self.config.max_recoveries:
             return False
@@ -709,6 +733,7 @@ class Job:
 
     def _begin_recovery(self, ranks: list[int | None], cause: str, now: float, detect: float) -> list[Action]:
         self.recoveries_used += 1
+        self.crash_loop.recovery_began(s.step for s in self._rank_slots() if s.alive and s.rank not in ranks)
         self.generation += 1
         failed = tuple(sorted(r for r in ranks if r is not None))
         actions: list[Action] = []
@@ -779,6 +804,15 @@ class Job:
             for rank, slot in slots
         ))
 
+    def _recover_args(self, slot: Slot) -> dict[str, Any]:
+        """RECOVER's arguments for ``slot``: a replacement also gets its rank's own RNG streams' backups."""
+        rec = self.recovery
+        assert rec is not None
+        if not slot.replacement or slot.rank is None:
+            return rec.recover_args
+        own = self.streams.of(slot.rank)
+        return {**rec.recover_args, "own_rng": own} if own else rec.recover_args
+
     def _is_current(self, slot: Slot) -> bool:
         """``slot`` serves its rank now (not an older incarnation of it, not a spare)."""
         return slot.rank is not None and self.rank_slot.get(slot.rank) == slot.slot_id
@@ -808,9 +842,10 @@ class Job:
                 rec.recover_sent_at = now
                 rec.deadline = now + self.config.timeouts.recovery_timeout  # RECOVER -> RECOVERED
                 rec.resend_at = now + RESEND_INTERVAL
-                rec.recover_args = {"world_size": self.config.world_size, "replaced": list(rec.failed_ranks)}
+                rec.recover_args = {"world_size": self.config.world_size, "replaced": list(rec.failed_ranks),
+                                    "per_rank_rng": self.streams.per_rank}
                 for slot in ranks:
-                    actions.append(self._command(slot, CommandKind.RECOVER, rec.recover_args))
+                    actions.append(self._command(slot, CommandKind.RECOVER, self._recover_args(slot)))
                     actions += self._set_state(slot, WorkerState.RECOVERING, now)
             return actions
         if self.barrier.done:
@@ -945,6 +980,8 @@ class Job:
         self.attempt += 1
         self.swift_started = False
         self.released = False
+        self.crash_loop = CrashLoop()  # fresh processes: a loop of the last attempt says nothing about this one
+        self.streams.forget()  # fresh processes number their steps afresh
         self.time_lost += now - self._restart_started
         actions: list[Action] = [ResetStore(self.attempt)]
         for rank in range(self.config.world_size):

@@ -45,6 +45,8 @@ class EventKind(str, enum.Enum):
     FAILED = "FAILED"  # the user's script raised (data: traceback); sent before the process exits
     EXITING = "EXITING"  # the script returned: the interpreter shuts down and heartbeats stop
     WARNING = "WARNING"  # something the user must know (data: message): an inexact recovery, a skipped call
+    LAYOUT = "LAYOUT"  # found after REGISTERED: a lost rank's state would exist nowhere else (data: unrecoverable)
+    RNG_BACKUP = "RNG_BACKUP"  # this rank's RNG streams as of a step's start (data: step, state), kept for its replacement
 
 
 class CommandKind(str, enum.Enum):

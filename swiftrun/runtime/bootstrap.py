@@ -270,6 +270,7 @@ def main(argv: list[str], warm: bool = False) -> None:
     from swiftrun.runtime.worker import faults
 
     faults.install(wenv)
+    faults.before_failure = link.flush if link is not None else None
     log.debug("running %s %s", mode, target)
     try:
         run_target(mode, target, args)

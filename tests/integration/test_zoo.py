@@ -37,6 +37,11 @@ ARGS = {  # short runs: a few seconds each beyond importing torch
     "eval_ckpt": ("--steps", "40"),
     "sync_bn": ("--steps", "16"),
     "contrastive": ("--steps", "16"),
+    "rank_dropout": ("--steps", "16"),
+    "zero": ("--steps", "12"),
+    "fsdp_1d": ("--steps", "8"),
+    "powersgd": ("--steps", "12"),
+    "streaming": ("--steps", "12"),
 }
 
 
@@ -127,6 +132,88 @@ def test_a_warm_spare_runs_forward_collectives_on_the_jobs_group(script, zoo_ref
     save, records = swiftrun_zoo(script, tmp_path, marker, faults=("1:5:forward:sigkill",))
     assert [r["outcome"] for r in recoveries(records)] == ["recovered"]
     assert_same_as_reference(save, zoo_reference(script), records)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["1:5:forward:sigkill", "1:6:after-step:sigkill"])
+def test_a_replacement_continues_with_its_own_ranks_random_streams(fault, zoo_reference, tmp_path, marker):
+    """Every rank draws dropout masks (torch) and an input jitter (Python) from a stream seeded per rank. Killed
+    mid-forward, rank 1's step is redone from its own streams as of that step's start; killed after its update
+    (rank 0 may finish the step: roll-forward), from its streams as of the next step's start, backed up after
+    its update. Either way the job ends bitwise as the failure-free run, RNG states included, with no warning;
+    before the backups the replacement took rank 0's streams and both ranks drew the same masks."""
+    save, records = swiftrun_zoo("rank_dropout", tmp_path, marker, faults=(fault,))
+    assert [r["outcome"] for r in recoveries(records)] == ["recovered"]
+    assert [r["message"] for r in records if r["event"] == "warning"] == []
+    assert_same_as_reference(save, zoo_reference("rank_dropout"), records)
+
+
+@pytest.mark.timeout(300)
+def test_own_streams_that_exist_nowhere_are_said_not_silently_replaced(zoo_reference, tmp_path, marker):
+    """The script also draws between steps, outside the guard: a backup taken at the update is then not the next
+    step's start (noticed at step 1 and never used again). Rank 1 dies after its update of step 6; where rank 0
+    finished the step, the recovery rolls forward and rank 1's streams as of step 7 exist nowhere. The job must
+    then say so (a warning naming rank 1 and step 7); where rank 0 had not finished, step 6 is redone from its
+    start's backup and the run is exact. Never a silent difference."""
+    extra = ("--draw-between-steps",)
+    save, records = swiftrun_zoo("rank_dropout", tmp_path, marker, faults=("1:6:after-step:sigkill",), extra=extra)
+    warnings = [r["message"] for r in records if r["event"] == "warning"]
+    if warnings:
+        assert any("rank 1's streams as of step 7 were backed up nowhere" in w for w in warnings), warnings
+    else:
+        assert_same_as_reference(save, zoo_reference("rank_dropout", extra), records)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("script", "named"), [
+    ("zero", "ZeroRedundancyOptimizer shards the optimizer state"),
+    ("powersgd", "the PowerSGD comm hook keeps per-rank state"),
+])
+def test_per_rank_layouts_train_and_a_failure_restarts_every_worker_with_the_layout_named(
+        script, named, zoo_reference, tmp_path, marker):
+    """zero: ZeroRedundancyOptimizer captured the default group before swiftrun.Run rebuilt it (its first step
+    failed: "Group ... is not registered"), and a lost rank's shard exists nowhere else. powersgd: the comm hook's
+    error feedback is per rank (every recovery ended in a collective-mismatch abort, 16 in 3 s). Run() names the
+    layout, and rank 1's SIGKILL at step 4 restarts every worker (--max-restarts 1) instead of a recovery that
+    cannot be exact: the script starts over and ends bitwise as torchrun's failure-free run."""
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events), "--max-restarts", "1",
+                            "--fault", "1:4:forward:sigkill", str(ZOO / f"{script}.py"), *ARGS[script],
+                            "--save-dir", str(save)), marker, timeout=150)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    assert not recoveries(records) and [r["event"] for r in records].count("restart") == 1
+    assert named in proc.stderr
+    assert "restarting every worker" in proc.stderr and "in-place recovery is impossible" in proc.stderr
+    assert_same_as_reference(save, zoo_reference(script), records)
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_of_a_1d_fsdp_job_stops_at_once_with_the_reason(tmp_path, marker):
+    """FSDP2 over every rank: no replica holds a lost rank's shards. Run() warns, and rank 1's SIGKILL at step 3
+    stops the job (no --max-restarts) naming FSDP, instead of "no surviving replica holds a consistent state" or
+    a stall. A fault in the backward pass cannot fire for a sharded model and is refused at Run()."""
+    proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--fault", "1:3:forward:sigkill",
+                            str(ZOO / "fsdp_1d.py"), *ARGS["fsdp_1d"], "--save-dir", str(tmp_path / "save")),
+               marker, timeout=150)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+    assert "stopping the job" in proc.stderr and "FSDP2 (fully_shard)" in proc.stderr, proc.stderr[-3000:]
+    assert "no surviving replica" not in proc.stderr
+    refused = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--fault", "1:3:backward:sigkill",
+                               str(ZOO / "fsdp_1d.py"), *ARGS["fsdp_1d"], "--save-dir", str(tmp_path / "save2")),
+                  marker, timeout=150)
+    assert refused.returncode == 1 and "cannot fire for a sharded model" in refused.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_streaming_loaders_position_is_said_to_be_lost_at_the_start_and_at_the_recovery(tmp_path, marker):
+    """An IterableDataset read with next(it) inside the guard: its position cannot travel, so the recovery is not
+    exact. swiftrun says so when training starts and again when the recovery ends, in the event log."""
+    _, records = swiftrun_zoo("streaming", tmp_path, marker, faults=("1:5:forward:sigkill",))
+    assert [r["outcome"] for r in recoveries(records)] == ["recovered"]
+    warnings = [r["message"] for r in records if r["event"] == "warning"]
+    assert any(w.startswith("the job reads a streaming IterableDataset (RecordStream)") for w in warnings), warnings
+    assert any(w.startswith("recovery 1 is not exact: the job reads a streaming IterableDataset") for w in warnings)
 
 
 @pytest.mark.timeout(300)

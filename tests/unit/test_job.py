@@ -641,7 +641,7 @@ def test_recover_is_sent_only_after_every_survivor_aborted_and_the_replacement_j
 
     assert sorted(r.slot_id for r in recover) == [0, 2, new]
     assert all(r.generation == 1 for r in recover)
-    assert recover[0].args == {"world_size": 3, "replaced": [1]}
+    assert recover[0].args == {"world_size": 3, "replaced": [1], "per_rank_rng": False}
     assert [sim.state(s) for s in (0, new, 2)] == [WorkerState.RECOVERING] * 3
 
 
@@ -1536,3 +1536,97 @@ def test_undo_of_an_earlier_generation_is_kept_in_the_recovery_record():
     assert _undone((), {"mode": "replay", "undo": [3, 2]}) == (2, 3)
     assert _undone((2, 3), {"mode": "replay", "undo": []}) == (2, 3)
     assert _undone((2,), None) == (2,)
+
+
+# --- crash loops -----------------------------------------------------------------------------------------------
+
+
+def _crash_with(sim: Sim, rank: int, traceback: str) -> list[Action]:
+    slot_id = sim.slot(rank)
+    sim.event(slot_id, EventKind.FAILED, traceback=traceback)
+    return sim.exit(slot_id, 1)
+
+
+MISMATCH = "Traceback (most recent call last):\n  ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:{n}] op mismatch\n"
+
+
+def test_the_same_failure_right_after_each_recovery_stops_recovering_in_place_with_that_failure_named():
+    sim = swift_running(2, spares=0, max_recoveries=16)
+    for slot_id in sim.rank_slots():
+        sim.alive(slot_id, step=5)
+    for attempt in range(3):  # fails at once after each recovery: the redone step 6 never completes
+        actions = _crash_with(sim, 1, MISMATCH.format(n=100 + attempt))
+        assert sim.job.state is JobState.RECOVERING, attempt
+        _finish_recovery(sim)
+        for slot_id in sim.rank_slots():
+            sim.alive(slot_id, step=6)
+    actions = _crash_with(sim, 1, MISMATCH.format(n=999))
+    assert sim.job.recoveries_used == 3 and sim.job.state is JobState.STOPPING
+    (warning,) = records(actions, EventName.WARNING)
+    assert "right after each of the last 3 in-place recoveries" in warning.fields["message"]
+    assert "op mismatch" in warning.fields["message"]
+    assert any("op mismatch" in note.text for note in of(actions, Note) if "stopping the job" in note.text)
+
+
+def test_failures_with_progress_in_between_or_of_different_kinds_keep_recovering():
+    sim = swift_running(2, spares=0, max_recoveries=16)
+    step = 5
+    for attempt in range(6):
+        for slot_id in sim.rank_slots():
+            sim.alive(slot_id, step=step)
+        tb = MISMATCH if attempt % 2 else "Traceback:\nValueError: bad batch\n"
+        _crash_with(sim, attempt % 2, tb.format(n=attempt))
+        assert sim.job.state is JobState.RECOVERING, attempt
+        _finish_recovery(sim)
+        step += 1 if attempt < 3 else 0  # no progress at the end, but the failures alternate
+    for slot_id in sim.rank_slots():
+        sim.alive(slot_id, step=step + 10)
+    for attempt in range(3):  # the same failure each time, but training moves on between them
+        _crash_with(sim, 1, MISMATCH.format(n=attempt))
+        assert sim.job.state is JobState.RECOVERING
+        _finish_recovery(sim)
+        step += 10
+        for slot_id in sim.rank_slots():
+            sim.alive(slot_id, step=step + 10)
+
+
+def _finish_recovery(sim: Sim) -> None:
+    """Every rank of the current generation answers and recovers; the replacement boots first."""
+    for spawn in of(sim.log, Spawn):
+        slot = sim.job.slots[spawn.slot_id]
+        if slot.pid is None:
+            sim.spawned(spawn.slot_id)
+        if not slot.hello:
+            sim.hello(spawn.slot_id)
+    for slot_id in sim.rank_slots():
+        slot = sim.job.slots[slot_id]
+        sim.event(slot_id, EventKind.JOINING if slot.replacement else EventKind.ABORTED)
+    for slot_id in sim.rank_slots():
+        sim.event(slot_id, EventKind.RECOVERED)
+    assert sim.job.state is JobState.RUNNING
+
+
+# --- layouts no in-place recovery can repair -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("max_restarts", "state"), [(0, JobState.STOPPING), (1, JobState.RESTARTING)])
+def test_a_job_registered_as_unrecoverable_never_recovers_in_place_and_names_why(max_restarts, state):
+    reason = "ZeroRedundancyOptimizer shards the optimizer state over 3 ranks: in-place recovery is impossible"
+    sim = running(3, spares=0, max_restarts=max_restarts)
+    for slot_id in sim.rank_slots():
+        sim.boot(sim.event(slot_id, EventKind.REGISTERED, unrecoverable=reason if slot_id == 0 else None))
+    assert sim.job.swift_started and sim.job.unrecoverable == reason
+
+    actions = sim.exit(sim.slot(1), -SIGKILL)
+
+    assert sends(actions, CommandKind.ABORT) == [] and sim.job.recoveries_used == 0
+    assert sim.job.state is state
+    assert any(reason in note.text for note in of(actions, Note))
+
+
+def test_a_layout_found_after_registration_counts_too():
+    sim = swift_running(2, spares=0)
+    sim.event(sim.slot(0), EventKind.LAYOUT, unrecoverable="the PowerSGD comm hook keeps per-rank state")
+    actions = sim.exit(sim.slot(1), 1)
+    assert sends(actions, CommandKind.ABORT) == [] and sim.job.state is JobState.STOPPING
+    assert any("PowerSGD" in note.text for note in of(actions, Note))

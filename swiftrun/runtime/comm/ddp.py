@@ -200,6 +200,18 @@ def _late_registration(ddp: DistributedDataParallel, state: object, hook) -> Non
     rebind(ddp, current_layout(ddp))
 
 
+def rebind_optimizers(optimizers: list) -> None:
+    """Optimizers that hold a process group (``ZeroRedundancyOptimizer`` captures ``group.WORLD`` when built,
+    before ``swiftrun.Run`` rebuilt the default group): point them at the current generation's counterpart, or
+    their first ``step()`` fails with "Group ... is not registered"."""
+    for opt in optimizers:
+        group = getattr(opt, "process_group", None)
+        if group is None or type(opt).__name__ != "ZeroRedundancyOptimizer":
+            continue
+        mapped = subgroups.current(group)
+        opt.process_group = mapped if mapped is not group or _alive(mapped) else dist.group.WORLD
+
+
 def _alive(group) -> bool:
     """Whether a group belongs to the current default group's world (not destroyed with an older one)."""
     return group in dist.distributed_c10d._world.pg_map

@@ -32,9 +32,10 @@ from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.comm.group import GroupManager
 from swiftrun.runtime.core import undo
 from swiftrun.runtime.core.strategy import RecoveryPlan, Strategy, timed
-from swiftrun.runtime.core.txn import PreStepCopy, Transaction, rng_state
-from swiftrun.runtime.state import verify
-from swiftrun.runtime.state.registry import Registry, RegistrationError
+from swiftrun.runtime.core import streams
+from swiftrun.runtime.core.txn import PreStepCopy, Transaction, rng_state, set_rng_state
+from swiftrun.runtime.state import layout, verify
+from swiftrun.runtime.state.registry import Registry, RegistrationError, reachable_objects
 from swiftrun.runtime.worker import faults
 from swiftrun.runtime.worker.env import settings
 from swiftrun.runtime.worker.process import ProcessRuntime, warn
@@ -82,6 +83,9 @@ class Recovery:
         self._stepped: dict[int, int] = {}  # registered optimizer index -> steps taken in this iteration
         self._unregistered: dict[int, str] = {}  # id -> name of optimizers that stepped without registration
         self._checked_first_step = False
+        # each rank's own RNG streams (runtime/core/streams.py): backups from the launcher, kept by a replacement
+        self.stream_backups: dict[int, dict[str, Any]] = {}
+        self.per_rank_streams = False
         # step -> optimizer index -> what undoes that step: an inverse's record, or (--exact-undo) a copy
         self._records: dict[int, dict[int, undo.StepRecord | PreStepCopy]] = {}
         self.exact_undo = rt.wenv.exact_undo
@@ -98,6 +102,16 @@ class Recovery:
         self.keep_last_update = self.mode == "undo" or self.strategy.keeps_last_update
         # undo mode may undo a completed step, whose start is one snapshot older than the current step's
         self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
+        # a layout that keeps part of a rank's state on that rank alone (runtime/state/layout.py): said now, and
+        # with REGISTERED, so that the launcher never tries an in-place recovery that cannot be exact
+        self.unrecoverable = layout.unrecoverable(self.reg)
+        if self.unrecoverable and self.rank == 0:  # the same for every rank: said once
+            warn(self.unrecoverable)
+        # a data source whose position cannot travel (an IterableDataset): said now or at the first step, and
+        # again after each recovery, which cannot be exact for it
+        self.data_warning = layout.unrestorable_data(reachable_objects())
+        if self.data_warning:
+            warn(self.data_warning)
         self._grad_copies = undo.GradCopies()  # where those copies go, kept from step to step
         self._install_hooks()
         collectives.install(self)
@@ -108,7 +122,7 @@ class Recovery:
         """Join the job: a fresh rank builds the tracked group of generation 0; a replacement recovers."""
         if self.joining:
             return self.recover()
-        self.link.send_event(EventKind.REGISTERED, gen=self.generation)
+        self.link.send_event(EventKind.REGISTERED, gen=self.generation, unrecoverable=self.unrecoverable)
         self.link.wait_for(lambda: self.link.command(CommandKind.START) is not None or self.aborted())
         if not self.aborted():
             try:
@@ -118,6 +132,7 @@ class Recovery:
                 self.strategy.on_start()
                 for ddp in self.reg.ddps:
                     rebind(ddp, None)
+                ddp_tools.rebind_optimizers(self.reg.optimizers)
                 return 0
             except Exception:  # noqa: BLE001 - a peer died while the first group was built
                 if not self.wait_for_abort():
@@ -141,7 +156,8 @@ class Recovery:
         self.tainted = False
         self._stepped.clear()
         self.link.step = step
-        self.txn.begin(step)
+        snap = self.txn.begin(step)
+        self._back_up_streams(step, snap.rng, "start")
         for index, at in list(self.rebind_at.items()):
             order = self._orders[index]
             if step >= at and order is not None and order.order is not None:
@@ -177,6 +193,15 @@ class Recovery:
 
     def _check_first_step(self) -> None:
         """Layouts recovery cannot make exact are refused at the first step, not at the first failure."""
+        if self.data_warning is None:  # the loader's iterator is often made after Run(), in the loop
+            self.data_warning = layout.unrestorable_data(reachable_objects())
+            if self.data_warning:
+                warn(self.data_warning)
+        found = layout.unrecoverable(self.reg)  # a comm hook registered after Run() shows only now
+        if found and found != self.unrecoverable:
+            self.unrecoverable = found
+            warn(found)
+            self.link.send_event(EventKind.LAYOUT, gen=self.generation, unrecoverable=found)
         if self.reg.optimizers and not self._stepped and not self._unregistered and not self._scaler_skipped():
             raise RegistrationError(
                 "no registered optimizer stepped in the first iteration of run.steps(): one iteration must hold "
@@ -267,6 +292,8 @@ class Recovery:
                 self.joining = False
                 return self.next_step
             log.debug("generation %d recovered: %s %s", gen, plan.as_dict(), phases)
+            if self.data_warning and self.rank == min(getattr(plan, "source", 0) or 0, self.world_size - 1):
+                warn(f"recovery {gen} is not exact: {self.data_warning}")
             self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=plan.as_dict())
             self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
             if self.link.generation > gen:
@@ -300,6 +327,7 @@ class Recovery:
 
     def _recover_generation(self, gen: int) -> tuple[RecoveryPlan, dict[str, float]]:
         phases: dict[str, float] = {}
+        self._take_recover_args()
         with timed(phases, "rebuild"):
             self.strategy.before_rebuild()
             self.group.build(gen, self._connect_timeout())
@@ -337,6 +365,53 @@ class Recovery:
         """The bucket layout each DDP wrapper must be rebound with to redo step ``point + 1`` (ddp.next_layout)."""
         return [ddp_tools.next_layout(d, o, point) for d, o in zip(self.reg.ddps, self._orders)]
 
+    # ------------------------------------------------------------------ each rank's own RNG streams
+
+    def _back_up_streams(self, step: int, state: dict[str, Any], at: str) -> None:
+        """Send this rank's streams of ``step``'s start to the launcher (runtime/core/streams.py); ``at``: taken
+        when that step began ("start"), or after the previous step's update ("update", provisional)."""
+        self.link.send_event(EventKind.RNG_BACKUP, step=step, at=at, state=streams.encode(state))
+
+    def _take_recover_args(self) -> None:
+        """What the RECOVER command carries for this rank: its own streams' backups, whether streams are per rank."""
+        cmd = self.link.command(CommandKind.RECOVER)
+        args = cmd.args if cmd is not None else {}
+        self.per_rank_streams = bool(args.get("per_rank_rng"))
+        own = args.get("own_rng") or {}
+        if own:
+            self.stream_backups = {int(step): streams.decode(state) for step, state in own.items()}
+
+    def own_streams_for(self, step: int) -> dict[str, Any] | None:
+        """This rank's own streams as of ``step``'s start, if it has them: its snapshot of that step, its backup
+        (a replacement), or its live streams when it stands right before that step."""
+        snap = self.txn.rng_for(step) if self.valid else None
+        if snap is not None:
+            return snap
+        if step in self.stream_backups:
+            return self.stream_backups[step]
+        if not self.partial and self.completed == step - 1 and not self.in_step and (self.valid or step == 0):
+            # between steps the live streams are the next step's; a fresh replacement's before step 0 are too
+            # (it ran the script from the top as the first process of its rank did)
+            return rng_state()
+        return None
+
+    def restore_streams(self, point: int, shared: dict[str, Any] | None, source: int | None,
+                        receives: bool) -> None:
+        """Set the streams the recovery's next step (``point + 1``) is redone with (see runtime/core/streams.py)."""
+        own = self.own_streams_for(point + 1)
+        if shared is None:
+            if own is not None:
+                set_rng_state(own)
+            return
+        state, exact = streams.choose(own, shared, per_rank=self.per_rank_streams, receives=receives)
+        if not exact:
+            warn(f"the ranks draw from random streams of their own (seeded per rank), and rank {self.rank}'s "
+                 f"streams as of step {point + 1} were backed up nowhere (it failed before that step's backup "
+                 f"reached the launcher, or was behind the recovery point): it continues with rank {source}'s "
+                 "streams, so its dropout and other random draws repeat that rank's and the recovered run is "
+                 "not the failure-free one")
+        set_rng_state(state)
+
     def from_source(self, source: int, point: int, group: Any = None) -> dict:
         """What a recovery's receivers take from its source besides the bulk state, broadcast over ``group``
         (None: every rank): the DDP bucket layouts to rebind with and the RNG state of the step to redo (the
@@ -345,7 +420,7 @@ class Recovery:
         device = self.group.device()
         box: list[Any] = [None]
         if self.rank == source:
-            box[0] = {"layouts": self.next_layouts(point), "rng": self.txn.rng_for(point + 1) or rng_state()}
+            box[0] = {"layouts": self.next_layouts(point), "rng": self.own_streams_for(point + 1) or rng_state()}
         dist.broadcast_object_list(box, src=source, group=group, device=device if device.type == "cuda" else None)
         return box[0]
 
@@ -376,17 +451,25 @@ class Recovery:
 
     def _install_hooks(self) -> None:
         registered = {id(opt): index for index, opt in enumerate(self.reg.optimizers)}
+        # the optimizer a ZeroRedundancyOptimizer wraps steps inside it: registered with it, not on its own
+        inner = {id(opt.optim) for opt in self.reg.optimizers
+                 if type(opt).__name__ == "ZeroRedundancyOptimizer" and hasattr(opt, "optim")}
         for index, opt in enumerate(self.reg.optimizers):
             opt.register_step_pre_hook(self._make_pre_hook(index))
             opt.register_step_post_hook(self._make_post_hook(index))
 
         def any_step(optimizer, args, kwargs):
-            if id(optimizer) not in registered and self.in_step:
+            if id(optimizer) not in registered and id(optimizer) not in inner and self.in_step:
                 self._unregistered[id(optimizer)] = type(optimizer).__name__
 
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         register_optimizer_step_post_hook(any_step)
+        sharded = layout.sharded_models(self.reg)
+        if sharded and faults.planned("backward", "allreduce"):
+            raise RegistrationError(
+                f"--fault ...:backward/allreduce cannot fire for a sharded model ({', '.join(sharded)}): its "
+                "parameters' gradient hooks never run; use the forward, step or after-step phases")
         if faults.planned("forward", "backward", "allreduce"):
             for module in self.reg.models:
                 module.register_forward_pre_hook(lambda *_: faults.fire("forward", self.step))
@@ -397,6 +480,11 @@ class Recovery:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(optimizer, args, kwargs):
+            if self.in_step and not self._stepped:
+                # the streams the next step starts with, unless the script draws after its update (optimizers
+                # draw none): a failure from here on may be rolled forward past this step. Sent before the
+                # update, so it is on its way while the update runs (runtime/core/streams.py)
+                self._back_up_streams(self.step + 1, rng_state(), "update")
             stepped = self._stepped.get(index, 0)
             self._stepped[index] = stepped + 1
             if self.exact_undo:

@@ -19,7 +19,6 @@ from swiftrun.runtime.comm import ddp as ddp_tools
 from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.core.recovery import Recovery
 from swiftrun.runtime.core.strategy import Strategy, timed
-from swiftrun.runtime.core.txn import set_rng_state
 from swiftrun.runtime.dp.buffers import BroadcastBuffers
 from swiftrun.runtime.dp.consensus import Plan, RankStatus, plan_recovery
 from swiftrun.runtime.state import tree as st
@@ -95,7 +94,6 @@ class DataParallel(Strategy):
         device = rec.group.device()
         # every rank needs the source's bucket layouts and the RNG of the step to redo; the bulk state only
         # goes to the targets
-        own_rng = rec.txn.rng_for(plan.point + 1)
         shared = rec.from_source(plan.source, plan.point)
         if plan.targets:
             members = sorted({plan.source, *plan.targets})
@@ -123,7 +121,7 @@ class DataParallel(Strategy):
             warn("the failure came before DDP rebuilt its gradient buckets and their layout is unknown: the "
                  "recovered run is not bitwise the failure-free one (about 1e-7 relative with 3 ranks or more), "
                  "replicas stay equal")
-        set_rng_state(own_rng if (own_rng is not None and rec.rank not in plan.targets) else shared["rng"])
+        rec.restore_streams(plan.point, shared["rng"], plan.source, receives=rec.rank in plan.targets)
 
     def _transfer_fault(self, chunk: int) -> None:
         if chunk == 0:

@@ -19,7 +19,6 @@ from swiftrun.runtime.comm import intercept
 from swiftrun.runtime.comm.ddp import rebind
 from swiftrun.runtime.core.recovery import Recovery
 from swiftrun.runtime.core.strategy import Strategy, timed
-from swiftrun.runtime.core.txn import set_rng_state
 from swiftrun.runtime.dp.buffers import warn_per_rank_buffers
 from swiftrun.runtime.pp import parallel
 from swiftrun.runtime.pp.handover import hand_over
@@ -144,7 +143,7 @@ class PipelineRecovery(Strategy):
 
         with timed(phases, "transfer"):
             device = rec.group.device()
-            own_rng = rec.txn.rng_for(plan.point + 1)
+            shared_rng, rng_source = None, None  # the source's streams, where this rank took part in a copy
             layouts = rec.next_layouts(plan.point)
             for source, targets in plan.copies:  # every rank creates every group, in the same order
                 members = sorted({source, *targets})
@@ -153,7 +152,7 @@ class PipelineRecovery(Strategy):
                     st.transfer(rec.reg, source, rec.rank, group, device, rec.chunk_bytes)
                     shared = rec.from_source(source, plan.point, group)
                     if rec.rank != source:
-                        own_rng, layouts = shared["rng"], shared["layouts"]
+                        shared_rng, rng_source, layouts = shared["rng"], source, shared["layouts"]
             for ddp, layout in zip(rec.reg.ddps, layouts):  # a stage's replicas reduce with the same buckets
                 rebind(ddp, layout)
             replaying = hand_over(pp, plan)
@@ -170,9 +169,9 @@ class PipelineRecovery(Strategy):
         if replaying is not None:
             rec.resume_after(replaying.start - 1, valid=False)
         else:
+            # before resume_after: a replacement's live streams are not its own once it counts as recovered
+            rec.restore_streams(plan.point, shared_rng, rng_source, receives=shared_rng is not None)
             rec.resume_after(plan.point)
-            if own_rng is not None:
-                set_rng_state(own_rng)
         rec.verify_next = False  # stages are not replicas: their states are not compared
         self._parallel_replay(plan, phases)
         return plan

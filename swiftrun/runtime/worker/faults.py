@@ -21,6 +21,7 @@ import ctypes
 import os
 import signal
 import sys
+from typing import Any, Callable
 
 from swiftrun.config import FaultSpec
 from swiftrun.runtime.worker.env import WorkerEnv
@@ -28,6 +29,8 @@ from swiftrun.runtime.worker.env import WorkerEnv
 _plan: list[FaultSpec] = []
 _rank = -1
 _incarnation = 0
+# called before an injected fault strikes: the worker's link delivers what the rank already said (Link.flush)
+before_failure: Callable[[], Any] | None = None
 _deaf = False  # a ``deaf`` fault fired: the next watched gloo wait is given a source that never completes
 
 
@@ -101,6 +104,8 @@ def fire(phase: str, step: int) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    if before_failure is not None:
+        before_failure()
     kind = fault.kind
     if kind == "deaf":  # not a failure by itself: the training thread's next all-reduce wait hangs (abortable.py)
         global _deaf

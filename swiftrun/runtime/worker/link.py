@@ -50,6 +50,8 @@ class Link:
         self._cv = threading.Condition()
         self._commands: dict[CommandKind, protocol.Command] = {}  # newest command of each kind
         self._outbox: queue.SimpleQueue[protocol.Message] = queue.SimpleQueue()
+        self._queued = 0  # events put in the outbox (training thread) ...
+        self._sent = 0  # ... and handed to the socket (link thread): flush() waits for these to meet
         self._status: protocol.Status | None = None
         self._answers: dict[CommandKind, protocol.Event] = {}  # link thread only: the last answer to each command
         self._wake_r, self._wake_w = os.pipe()
@@ -67,8 +69,20 @@ class Link:
 
     def send_event(self, kind: EventKind, gen: int | None = None, **data: Any) -> None:
         if self.usable:
+            self._queued += 1
             self._outbox.put(protocol.Event(gen=self.generation if gen is None else gen, event=kind, data=data))
             self._ring()
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Wait (bounded) until every event queued so far was handed to the socket. Used by an injected fault
+        before it kills its process: the fault models a failure at that point of the script, after what the rank
+        already said, not one that also races the link thread's scheduling on a loaded machine."""
+        if not self.usable or not self._thread.is_alive():
+            return False
+        target = self._queued
+        self._ring()
+        with self._cv:
+            return self._cv.wait_for(lambda: self._sent >= target, timeout)
 
     def set_status(self, step: int, loss: float | None = None, step_time: float | None = None,
                    metrics: dict[str, float] | None = None) -> None:
@@ -150,6 +164,10 @@ class Link:
                 if msg.event in ANSWERS:
                     self._answers[ANSWERS[msg.event]] = msg
             self._send(sock, msg, block=True)
+            if isinstance(msg, protocol.Event):
+                with self._cv:
+                    self._sent += 1
+                    self._cv.notify_all()
 
     def _send(self, sock: zmq.Socket, msg: protocol.Message, block: bool = False) -> None:
         try:
