@@ -33,7 +33,8 @@ import train_dp  # noqa: E402
 
 from swiftrun.runtime.core import undo  # noqa: E402
 from swiftrun.runtime.state.registry import Registry  # noqa: E402
-from swiftrun.runtime.core.txn import PreStepCopy, Transaction, param_versions, rng_state  # noqa: E402
+from swiftrun.runtime.core.precopy import PreStepCopy  # noqa: E402
+from swiftrun.runtime.core.txn import Transaction, param_versions, rng_state  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:

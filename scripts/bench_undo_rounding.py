@@ -3,7 +3,7 @@
 
 One process runs examples/train_dp.py's model and data (rank 0's batch; under DDP the averaged gradient rounds
 the same way) twice: failure-free, and with step U applied, undone (runtime/core/undo.py's arithmetic inverse, or
-txn.PreStepCopy with --copy, what --exact-undo does) and redone. Printed: right after the undo, and after later
+precopy.PreStepCopy with --copy, what --exact-undo does) and redone. Printed: right after the undo, and after later
 steps, compared with the failure-free run,
 
   * per-tensor: max |a-b| / max |b| of each tensor, worst tensor (what the fault campaign used to judge by);
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import train_dp  # noqa: E402
 
 from swiftrun.runtime.core import undo  # noqa: E402
-from swiftrun.runtime.core.txn import PreStepCopy  # noqa: E402
+from swiftrun.runtime.core.precopy import PreStepCopy  # noqa: E402
 
 State = dict[str, torch.Tensor]
 

@@ -24,7 +24,7 @@ class EventName(str, enum.Enum):
     PROGRESS = "progress"  # step, loss, step_time, steps_per_s (sampled, at most a few per second)
     RECOVERY_START = "recovery_start"  # generation, failed_ranks, cause (+ nodes: node slots, on several nodes)
     RECOVERY_PHASE = "recovery_phase"  # generation, phase, start (t of phase start), duration
-    RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, failed_ranks, undo
+    RECOVERY_END = "recovery_end"  # generation, outcome, mode, source_rank, total, failed_ranks, undo, inexact
     LOG_PLAN = "log_plan"  # pipelines: the logging groups chosen under --log-budget and their predicted cost
     # generation, rank, ranks (every rank replaying with it: its logging group, or the replicas of its stage
     # replaying in lockstep), first, last, helpers: a pipeline stage replays these steps

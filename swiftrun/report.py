@@ -74,6 +74,7 @@ class Recovery:
     source_rank: int | None = None
     total: float | None = None  # seconds from failure to resume, as the supervisor measured it
     lost_steps: int | None = None
+    inexact: str | None = None  # an update was undone arithmetically: the recovered run is not the failure-free one
     replays: list[str] = field(default_factory=list)  # pipelines: "ranks 2, 3 replayed steps 4..5"
     nodes: tuple[int, ...] = ()  # multi-node: the node slots whose ranks it replaced
     holders: dict[int, tuple[Holder | None, Holder | None]] = field(default_factory=dict)  # slot -> before, after
@@ -155,6 +156,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> JobSummary:
             recovery.source_rank = event.get("source_rank")
             recovery.total = None if event.get("total") is None else float(event["total"])
             recovery.lost_steps = event.get("lost_steps")
+            recovery.inexact = event.get("inexact")
         elif name == EventName.REPLAY:
             recovery = _recovery_for(recoveries, event, t)
             ranks = ", ".join(str(r) for r in event.get("ranks", [event.get("rank")]))
@@ -341,6 +343,8 @@ def _recovery_lines(recovery: Recovery) -> list[str]:
             status += f", total {recovery.total * 1000:.0f} ms"
         if recovery.lost_steps is not None:
             status += f", {recovery.lost_steps} steps lost"
+        if recovery.inexact:
+            status += ", INEXACT"
     head = f"  generation {recovery.generation} at t={recovery.t_start:.1f}s: {recovery.cause} -> {status}"
     # Known phases in protocol order, then anything newer the supervisor logged.
     order: list[str] = [phase.value for phase in RecoveryPhase if phase.value in recovery.phases]
@@ -354,7 +358,8 @@ def _recovery_lines(recovery: Recovery) -> list[str]:
         if after is not None and after != before:
             text += f" -> {after.describe()}"
         nodes.append(text)
-    return [head, f"    phases (ms): {phases or 'none recorded'}", *nodes, *replays]
+    inexact = [f"    inexact: {recovery.inexact}"] if recovery.inexact else []
+    return [head, f"    phases (ms): {phases or 'none recorded'}", *inexact, *nodes, *replays]
 
 
 # --- plot -------------------------------------------------------------------------------------------------------

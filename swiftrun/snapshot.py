@@ -128,6 +128,7 @@ class RecoveryView:
     done: bool = False
     total: float | None = None  # seconds from failure to resume, once done
     replay: str | None = None  # a pipeline stage's replay progress, e.g. "rank 2: step 7 of 4..9"
+    inexact: str | None = None  # an update was undone arithmetically: why, e.g. "--no-exact-undo"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ default group, as a first-generation process does (``torch.distributed.nn.functi
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,12 @@ def main() -> None:
             run.report(loss=loss.item())
 
     save_final(args.save_dir, rank, final_state(args.steps, ddp_model, [optimizer], [scheduler]))
+    # The last loss's autograd graph keeps the gather's backward node, whose context holds the gloo group, and
+    # DDP's reducer holds it too: drop both while the group is alive. Left to interpreter exit, the last
+    # reference can drop inside ~ProcessGroupGloo, whose thread join waits on a gloo worker that waits for the
+    # GIL (a hang at exit under plain torchrun on a loaded machine, as examples/zoo/sync_bn.py saw).
+    del run, ddp_model, embedded, loss
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -301,11 +301,14 @@ def launch(
              help="Also compare every rank's whole state every N steps (0: only after each recovery)."),
     ] = _D.verify_every,
     exact_undo: Annotated[
-        bool,
-        _own("--exact-undo/--no-exact-undo", panel=SWIFT,
+        bool | None,
+        _own("--exact-undo/--no-exact-undo", panel=SWIFT, show_default="where the job may undo an update",
              help="Copy the parameters and optimizer state before every optimizer step, so that an undone update "
-                  "is restored bitwise (costs their memory and a copy per step; default: invert it arithmetically, "
-                  "not bitwise: 1.5e-4 relative measured on an AdamW job)."),
+                  "is restored bitwise (costs their memory, in host memory on a GPU, and a copy per step). By "
+                  "default only where the job may undo: a collective after optimizer.step() in the step, "
+                  "DDP-broadcast buffers, pipelines, --recovery undo. --no-exact-undo saves the memory: an undo "
+                  "then inverts the update arithmetically, not bitwise (1.5e-4 relative off measured on an AdamW "
+                  "job), and the recovery says so."),
     ] = _D.exact_undo,
     transfer_chunk_mb: Annotated[
         int,

@@ -29,7 +29,7 @@ from swiftrun.cli.parse import (
     parse_std,
 )
 from swiftrun.cluster import slurm_defaults
-from swiftrun.config import Entrypoint, EntrypointKind, FaultSpec, LaunchConfig, RecoveryMode, Timeouts
+from swiftrun.config import Entrypoint, EntrypointKind, ExactUndo, FaultSpec, LaunchConfig, RecoveryMode, Timeouts
 from swiftrun.errors import ConfigError
 
 C10D_DEFAULT_PORT = 29400  # torch's c10d rendezvous default
@@ -86,7 +86,7 @@ class Flags:
     max_recoveries: int = 16
     startup_restarts: int = 3
     verify_every: int = 0
-    exact_undo: bool = False
+    exact_undo: bool | None = None  # None: auto
     transfer_chunk_mb: int = 0
     log_budget: str | None = None
     log_memory: str | None = None
@@ -224,7 +224,7 @@ def build_config(
         max_recoveries=f.max_recoveries,
         startup_restarts=f.startup_restarts,
         verify_every=f.verify_every,
-        exact_undo=f.exact_undo,
+        exact_undo={True: ExactUndo.ON, False: ExactUndo.OFF}.get(f.exact_undo, ExactUndo.AUTO),
         transfer_chunk_mb=f.transfer_chunk_mb,
         log_budget=parse_size_flag(f.log_budget, "--log-budget"),
         log_memory=parse_size_flag(f.log_memory, "--log-memory"),

@@ -272,6 +272,8 @@ def _recovery_changes(previous: JobSnapshot | None, current: JobSnapshot) -> lis
         details = [recovery.mode or "mode unknown"]
         if recovery.source_rank is not None:
             details.append(f"source rank {recovery.source_rank}")
+        if recovery.inexact:
+            details.append("inexact undo")
         total = "" if recovery.total is None else f" in {format_duration(recovery.total)}"
         lines.append(f"{tag} done{total} ({', '.join(details)})")
     return lines

@@ -567,7 +567,10 @@ def _recovery_panel(recovery: RecoveryView, ongoing: bool) -> Panel:
             outcome.append(f"state from rank {recovery.source_rank}")
         if recovery.total is not None:
             outcome.append(f"total {format_duration(recovery.total)}")
-        subtitle = Text(" · ".join(outcome), style="green")
+        if recovery.inexact:
+            outcome.append("inexact undo")
+        # an inexact undo is not the failure-free run: the panel says so in the warning colour
+        subtitle = Text(" · ".join(outcome), style="yellow" if recovery.inexact else "green")
     else:
         subtitle = Text(" · ".join(filter(None, [recovery.mode, recovery.replay, "in progress"])), style="yellow")
     return Panel(

@@ -32,7 +32,7 @@ RECOVERY = "SWIFTRUN_RECOVERY"  # RecoveryMode value
 LOG_BUDGET = "SWIFTRUN_LOG_BUDGET"  # pipelines: bytes of boundary logs allowed (unset: log every boundary)
 STAGE_CKPT_DIR = "SWIFTRUN_STAGE_CKPT_DIR"  # pipelines: stage checkpoints are also written here
 VERIFY_EVERY = "SWIFTRUN_VERIFY_EVERY"  # compare the replicas' whole state every N steps (0: after recoveries)
-EXACT_UNDO = "SWIFTRUN_EXACT_UNDO"  # "1": undo restores a pre-step copy of parameters and optimizer state
+EXACT_UNDO = "SWIFTRUN_EXACT_UNDO"  # "auto" / "on" / "off": when an undo restores a pre-step copy (core/precopy.py)
 TRANSFER_CHUNK_MB = "SWIFTRUN_TRANSFER_CHUNK_MB"  # state transfer chunk, MiB (0: the device's default)
 
 
@@ -118,7 +118,7 @@ def runtime_env(
         RECOVERY: config.recovery.value,
         VERIFY_EVERY: str(config.verify_every),
         TRANSFER_CHUNK_MB: str(config.transfer_chunk_mb),
-        EXACT_UNDO: "1" if config.exact_undo else "0",
+        EXACT_UNDO: config.exact_undo.value,
     }
     if config.faults:
         env[FAULTS] = ";".join(f.encode() for f in config.faults)

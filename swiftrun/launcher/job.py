@@ -134,6 +134,7 @@ class Recovery:
     done: bool = False
     total: float | None = None
     replay: str | None = None  # progress of a pipeline stage's replay, for the dashboard
+    inexact: str | None = None  # why an undone update was inverted arithmetically, not restored from a copy
 
 
 def _undone(before: tuple[int, ...], plan: Any) -> tuple[int, ...]:
@@ -273,12 +274,12 @@ class Job:
             return []
         if kind is EventKind.LOG_PLAN:
             return [Note(str(data.get("message", ""))), Record(EventName.LOG_PLAN, dict(data))]
-        if slot.rank is None or not slot.alive:
-            return []
         if kind is EventKind.RNG_BACKUP:
-            if self._is_current(slot):
+            if self._keeps_backups_of(slot):
                 self.streams.keep(slot.rank, int(data.get("step", -1)), str(data.get("at", "start")),
                                   data.get("state"))
+            return []
+        if slot.rank is None or not slot.alive:
             return []
         if kind in (EventKind.REGISTERED, EventKind.LAYOUT) and data.get("unrecoverable"):
             # a lost rank's state would exist nowhere else (runtime/state/layout.py): no in-place recovery
@@ -813,6 +814,20 @@ class Job:
         own = self.streams.of(slot.rank)
         return {**rec.recover_args, "own_rng": own} if own else rec.recover_args
 
+    def _keeps_backups_of(self, slot: Slot) -> bool:
+        """Whether ``slot``'s RNG backup is its rank's now: the rank's current process (alive, or dead and not yet
+        replaced), or the process an in-place replacement is taking over from, until that replacement joins (the
+        backups go out with its RECOVER). A backup sent just before a kill is often read only after the exit woke
+        this loop (tests/integration/test_zoo.py, a kill right after the update); a restart of every process
+        numbers its steps afresh, so its predecessors' late backups are dropped."""
+        if slot.rank is None:
+            return False
+        if self._is_current(slot):
+            return True
+        current = self.slots.get(self.rank_slot.get(slot.rank, -1))
+        return (current is not None and not slot.alive and current.replacement and not current.joined
+                and slot.incarnation == current.incarnation - 1)
+
     def _is_current(self, slot: Slot) -> bool:
         """``slot`` serves its rank now (not an older incarnation of it, not a spare)."""
         return slot.rank is not None and self.rank_slot.get(slot.rank) == slot.slot_id
@@ -905,6 +920,8 @@ class Job:
             rec.mode = plans[0].get("mode")
             rec.source_rank = plans[0].get("source")
             rec.undo = _undone(rec.undo, plans[0])
+        # any rank that undid arithmetically makes the recovered state inexact (runtime/core/precopy.py)
+        rec.inexact = next((str(p["inexact"]) for p in plans if p.get("inexact")), rec.inexact)
         return actions
 
     def _end_phase(self, phase: RecoveryPhase, now: float) -> list[Action]:
@@ -928,6 +945,7 @@ class Job:
         self._records.append(Record(EventName.RECOVERY_END, {
             "generation": rec.generation, "outcome": outcome, "mode": rec.mode, "source_rank": rec.source_rank,
             "total": rec.total, "failed_ranks": list(rec.failed_ranks), "undo": list(rec.undo),
+            "inexact": rec.inexact,
         }))
 
     def drain_records(self) -> list[Action]:

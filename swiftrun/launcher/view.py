@@ -132,4 +132,4 @@ def _recovery_view(job: Job) -> RecoveryView | None:
         elif phase in rec.phase_start and not rec.done:
             phases.append(PhaseView(phase, None))
     return RecoveryView(rec.generation, rec.failed_ranks, rec.cause, tuple(phases), rec.mode, rec.source_rank,
-                        rec.done, rec.total, None if rec.done else rec.replay)
+                        rec.done, rec.total, None if rec.done else rec.replay, rec.inexact)

@@ -1,8 +1,10 @@
 """Each way a recovery used to come out silently wrong, as its own regression test (tests/scripts/exactness.py).
 
 A faulty run must end with replicas bitwise equal to each other and equal to the failure-free run of the same
-configuration (bitwise; within 1e-6 relative when an update was undone, since an inverted update is exact only
-to a few ULP), with every param group's lr equal bitwise; or be refused with a clear message.
+configuration, with every param group's lr equal bitwise; or be refused with a clear message. Where the job may
+undo an update it keeps a pre-step copy by default, so an undo is bitwise too; one that had to invert the update
+arithmetically (--no-exact-undo; a step before the need was seen) must say so in its recovery_end ("inexact"),
+and only then is the state allowed within 1e-6 relative (an inverted update is exact only to a few ULP).
 """
 
 from __future__ import annotations
@@ -61,18 +63,18 @@ def assert_exact(save: Path, reference: Path, events: Path, world: int = 2, bitw
     """Each rank's final state equals the same rank's failure-free state (buffers that DDP broadcasts from rank
     0 and then updates with the local batch legitimately differ between ranks, so ranks are compared one by
     one; what failure-free ranks share, parameters and optimizer state, must also be bitwise equal here).
-    ``bitwise``: even when an update was undone (--exact-undo)."""
+    ``bitwise``: even if a recovery reported an inexact undo."""
     states, expected = _states(save, world), _states(reference, world)
     ended = _recoveries(events)
     assert ended and all(e["outcome"] == "recovered" for e in ended), ended
-    undone = any(e.get("mode") == "undo" for e in ended)
+    undone = any(e.get("mode") == "undo" and e.get("inexact") for e in ended)  # unreported: must be bitwise
     for rank, (got_state, want_state) in enumerate(zip(states, expected)):
         assert got_state.keys() == want_state.keys()
         for key, value in want_state.items():
             got = got_state[key]
             if torch.equal(value, expected[0][key]):  # shared by the replicas in a failure-free run
                 assert torch.equal(got, states[0][key]), f"replica {rank} differs from rank 0 in {key}"
-            if ".lr" in key or ".momentum" in key or "buffer." in key or not undone or bitwise:
+            if ".lr" in key or key.endswith(".momentum") or "buffer." in key or not undone or bitwise:
                 assert torch.equal(got, value), f"rank {rank} {key}: {got} != {value}"
             else:
                 scale = max(value.double().abs().max().item(), 1e-12)
@@ -134,11 +136,29 @@ def test_recovery_is_exact(case, reference, tmp_path, marker):
 ], ids=["nesterov-ema", "adagrad"])
 def test_exact_undo_restores_an_undone_update_bitwise(flags, fault, reference, tmp_path, marker):
     """Every survivor applied the update, then a collective after it failed: the update is undone from the copy
-    --exact-undo took before the step, and the run ends bitwise equal to the failure-free one."""
-    proc, save, events = _launch(tmp_path, marker, flags, (fault,), launcher=("--exact-undo",))
+    taken before the step, by default (DDP broadcasts a buffer of this model, so the job may undo), and the run
+    ends bitwise equal to the failure-free one, having said once what the copies cost."""
+    proc, save, events = _launch(tmp_path, marker, flags, (fault,))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [e["mode"] for e in _recoveries(events)] == ["undo"]
+    assert [e.get("inexact") for e in _recoveries(events)] == [None]
+    said = [line for line in proc.stderr.splitlines() if "exact undo:" in line]  # once per rank-0 process
+    assert said and all(line.startswith("[swiftrun] rank 0: ") and "that puts it back bitwise" in line
+                        for line in said), proc.stderr[-3000:]
     assert_exact(save, reference(flags), events, bitwise=True)
+
+
+def test_an_undo_without_the_copy_is_reported_inexact(reference, tmp_path, marker):
+    """--no-exact-undo: the update is inverted arithmetically, and the recovery says so (warning, recovery_end,
+    the report), never passing for exact."""
+    flags = ("--optimizer", "sgd", "--scheduler", "exponential", "--sync-loss", "--ema", "registered")
+    proc, save, events = _launch(tmp_path, marker, flags, ("1:5:after-step:sigkill",), launcher=("--no-exact-undo",))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (ended,) = _recoveries(events)
+    assert ended["mode"] == "undo" and "inverted arithmetically" in ended["inexact"], ended
+    assert "(--no-exact-undo)" in ended["inexact"] and "exact undo:" not in proc.stderr
+    assert "inverted arithmetically" in proc.stderr, proc.stderr[-3000:]
+    assert_exact(save, reference(flags), events)  # within the inverse's few ULP
 
 
 @pytest.mark.parametrize("fault", [pytest.param("1:1:forward:sigkill", marks=pytest.mark.extended),
@@ -200,9 +220,9 @@ LOST_BUFFERS = ("--bn",), ("0:5:step:sigkill",)
 def test_buffers_lost_with_rank_0_undo_the_step_whose_start_buffers_the_survivors_hold(reference, tmp_path, marker):
     """With DDP broadcasting buffers, what undoes a completed step is kept: the survivors undo step 5 and redo it
     with rank 0's buffers of its start. An arithmetic inverse leaves a few ULP in the parameters, and so in the
-    statistics computed from them; ``--exact-undo`` (the update undone from a copy) makes the run bitwise."""
+    statistics computed from them (``--no-exact-undo``); by default the update is undone from a copy: bitwise."""
     flags, faults = (*LOST_BUFFERS[0], "--optimizer", "sgd"), LOST_BUFFERS[1]
-    for launcher, bitwise in (((), False), (("--exact-undo",), True)):
+    for launcher, bitwise in ((("--no-exact-undo",), False), ((), True)):
         proc, save, events = _launch(tmp_path / str(bitwise), marker, flags, faults, launcher=launcher)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert [e["mode"] for e in _recoveries(events)] == ["undo"]
@@ -225,11 +245,11 @@ def test_buffers_lost_with_rank_0_undo_the_step_whose_start_buffers_the_survivor
 
 
 def test_buffers_lost_with_rank_0_without_an_undo_are_the_sources_everywhere_and_said(tmp_path, marker):
-    """Adagrad cannot be undone: the recovery goes on with the source's buffers, on every rank (replicas agree;
-    before, each survivor kept its own and verification stopped the job), and says that they are not the
-    failure-free ones."""
+    """Adagrad has no inverse, and --no-exact-undo keeps no copy: the recovery goes on with the source's buffers,
+    on every rank (replicas agree; before, each survivor kept its own and verification stopped the job), and says
+    that they are not the failure-free ones."""
     flags, faults = (*LOST_BUFFERS[0], "--optimizer", "adagrad"), LOST_BUFFERS[1]
-    proc, save, events = _launch(tmp_path, marker, flags, faults, world=3)
+    proc, save, events = _launch(tmp_path, marker, flags, faults, world=3, launcher=("--no-exact-undo",))
     assert proc.returncode == 0, proc.stderr[-4000:]
     warnings = [e for e in _events(events) if e["event"] == "warning" and "buffers for step 6" in e["message"]]
     assert warnings and "not bitwise the failure-free ones" in warnings[0]["message"], warnings

@@ -167,17 +167,18 @@ def test_a_helper_lost_during_parallel_replay(tmp_path, reference):
 
 @pytest.mark.timeout(240)
 @pytest.mark.extended
-def test_survivors_that_undo_the_interrupted_step_end_bitwise_with_exact_undo(tmp_path, reference):
+def test_survivors_that_undo_the_interrupted_step_end_bitwise(tmp_path, reference):
     """GPipe, the first stage killed in its backward: the last two stages already applied that step's update, the
     second did not (its gradient send to the dead rank failed). The replay ends at the step before, so stages 2 and
     3 undo their update (recovery_end's ``undo``); an inverted AdamW step is a few ULP off (the campaign saw
-    1-2e-7 relative on every rank, classed CLOSE), --exact-undo puts back a pre-step copy: bitwise."""
+    1-2e-7 relative on every rank, classed CLOSE), so a pipeline keeps a pre-step copy by default: bitwise."""
     ref = reference(("--schedule", "gpipe"))
-    proc = run(launch(tmp_path, "--exact-undo", "--fault", "0:6:backward:sigkill", script=("--schedule", "gpipe")),
+    proc = run(launch(tmp_path, "--fault", "0:6:backward:sigkill", script=("--schedule", "gpipe")),
                marker="pp-undo", timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ended = [r for r in records(tmp_path) if r["event"] == "recovery_end"]
     assert [(r["outcome"], r["mode"]) for r in ended] == [("recovered", "replay")] and ended[0]["undo"], ended
+    assert ended[0]["inexact"] is None, ended
     assert_same(tmp_path, ref)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from swiftrun.cli.resolve import Flags, build_config
-from swiftrun.config import EntrypointKind, RecoveryMode
+from swiftrun.config import EntrypointKind, ExactUndo, RecoveryMode
 from swiftrun.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,7 +127,7 @@ def test_values_are_parsed_into_the_config(script: str) -> None:
     config = build(flags)
     assert config.entrypoint.args == ("--lr", "0.1") and config.nproc_per_node == 3
     assert [int(std) for std in config.tee] == [0, 3, 0]
-    assert config.log_budget == 2048 and config.recovery is RecoveryMode.UNDO and config.exact_undo
+    assert config.log_budget == 2048 and config.recovery is RecoveryMode.UNDO and config.exact_undo is ExactUndo.ON
     assert [(f.rank, f.step) for f in config.faults] == [(1, 4)] and config.dashboard is False
 
 
@@ -152,3 +152,8 @@ def test_resolution_imports_neither_typer_nor_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert result.returncode == 0, f"imported: {result.stdout.strip()} {result.stderr[-500:]}"
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, ExactUndo.AUTO), (True, ExactUndo.ON), (False, ExactUndo.OFF)])
+def test_exact_undo_is_automatic_unless_said(script: str, given, expected) -> None:
+    assert build(Flags(script, exact_undo=given)).exact_undo is expected

@@ -102,6 +102,7 @@ FLAG_CASES = [
     (["--verify-every", "50"], "SWIFTRUN_VERIFY_EVERY", "50"),
     (["--transfer-chunk-mb", "4"], "SWIFTRUN_TRANSFER_CHUNK_MB", "4"),
     (["--exact-undo"], "SWIFTRUN_EXACT_UNDO", "1"),
+    (["--no-exact-undo"], "SWIFTRUN_EXACT_UNDO", "0"),
     (["--no-dashboard"], "SWIFTRUN_DASHBOARD", "0"),
     (["--event-log", "ev.jsonl"], "SWIFTRUN_EVENT_LOG", "ev.jsonl"),
     (["--fault", "0:3:step:sigkill"], "SWIFTRUN_FAULT", "0:3:step:sigkill"),

@@ -201,6 +201,17 @@ def test_finished_recovery_shows_mode_source_total_and_skipped_phases() -> None:
     assert "running…" not in text
 
 
+def test_a_recovery_that_undid_arithmetically_says_it_is_inexact() -> None:
+    recovery = RecoveryView(generation=1, failed_ranks=(1,), cause="rank 1 killed by SIGKILL",
+                            phases=tuple(PhaseView(phase, 0.010) for phase in RecoveryPhase), mode="undo",
+                            source_rank=0, done=True, total=1.0, inexact="--no-exact-undo")
+    text = rendered(snapshot([healthy_rank(rank) for rank in range(2)], recovery=recovery))
+    assert "undo · state from rank 0 · total 1.00 s · inexact undo" in text
+    exact = rendered(snapshot([healthy_rank(rank) for rank in range(2)],
+                              recovery=dataclasses.replace(recovery, inexact=None)))
+    assert "inexact" not in exact
+
+
 def test_32_ranks_mid_recovery_still_fit_unfolded() -> None:
     base = mid_recovery_snapshot()
     ranks = [healthy_rank(rank) for rank in range(32)]

@@ -731,7 +731,9 @@ def test_a_recovery_is_recorded_from_start_through_its_phases_to_its_end():
     data = {"phases": {"rebuild": 0.01, "consensus": 0.002, "undo": 0.0, "transfer": 0.2},
             "plan": {"mode": "roll-forward", "source": 0, "undo": [2]}}
     sim.event(0, EventKind.RECOVERED, **data)
-    sim.event(2, EventKind.RECOVERED, **{**data, "phases": {**data["phases"], "transfer": 0.1}})
+    inexact = "step 4's SGD update was inverted arithmetically, not restored bitwise (--no-exact-undo)"
+    sim.event(2, EventKind.RECOVERED, **{"phases": {**data["phases"], "transfer": 0.1},
+                                         "plan": {**data["plan"], "inexact": inexact}})  # the rank that undid
 
     direct = sim.job.on_event(new, 1, EventKind.RECOVERED, {**data, "phases": {**data["phases"], "transfer": 0.3}},
                               sim.now)
@@ -748,6 +750,7 @@ def test_a_recovery_is_recorded_from_start_through_its_phases_to_its_end():
     assert end.fields["failed_ranks"] == [1]
     assert end.fields["mode"] == "roll-forward" and end.fields["source_rank"] == 0
     assert end.fields["undo"] == [2]  # a pipeline replay's mode is "replay", even where survivors undid a step
+    assert end.fields["inexact"] == inexact  # any rank's arithmetic undo makes the recovery inexact
     assert end.fields["total"] == pytest.approx(sim.now - t_fail)
     assert sim.job.time_lost == pytest.approx(0.75)
     assert sim.job.last_recovery.phase_duration[RecoveryPhase.TRANSFER] == 0.3

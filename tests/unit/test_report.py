@@ -235,3 +235,19 @@ def test_a_multinode_job_names_the_node_slot_and_machine_of_failures_and_recover
     assert "rank 2 on node slot 1 (host-b, incarnation 0): node slot 1 lost" in out
     assert ("node slot 1: node rank 1, host-b, incarnation 0 -> hot-spare node rank 2, host-c, incarnation 1"
             in out), out
+
+
+def test_an_inexact_undo_is_reported_loudly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.jsonl"
+    why = "step 5's SGD update was inverted arithmetically, not restored bitwise (--no-exact-undo)"
+    lines = [
+        {"t": 0.0, "event": "job_start", "script": "train.py", "world_size": 2},
+        {"t": 10.0, "event": "recovery_start", "generation": 1, "failed_ranks": [1], "cause": "rank 1 killed"},
+        {"t": 11.5, "event": "recovery_end", "generation": 1, "outcome": "recovered", "mode": "undo",
+         "total": 1.5, "inexact": why},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    assert summarize(read_events(path)).recoveries[0].inexact == why
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recovered, undo, total 1500 ms, INEXACT" in out and f"inexact: {why}" in out

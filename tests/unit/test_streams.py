@@ -93,3 +93,23 @@ def test_a_replacement_gets_its_ranks_own_backups_with_recover_and_every_rank_th
     assert by_slot[spawn.slot_id]["own_rng"] == {"3": "r1s3", "4": "r1s4"}
     assert "own_rng" not in by_slot[survivor]
     assert by_slot[survivor]["per_rank_rng"] is True and by_slot[spawn.slot_id]["per_rank_rng"] is True
+
+
+def test_a_backup_read_after_its_senders_exit_is_kept_until_the_replacement_joins():
+    """A kill right after the update: the backup the rank sent first is often read only after its exit woke the
+    launcher's loop. It is still that rank's, and goes to the replacement; once the replacement joined, late words
+    of the dead process are not."""
+    sim = swift_running(2, spares=0)
+    for rank in (0, 1):
+        sim.event(sim.slot(rank), EventKind.RNG_BACKUP, step=3, at="start", state=f"r{rank}s3")
+    survivor, dead = sim.slot(0), sim.slot(1)
+    (spawn,) = of(sim.exit(dead, -SIGKILL), Spawn)
+    sim.event(dead, EventKind.RNG_BACKUP, step=4, at="update", state="r1s4")  # read after the exit
+    sim.spawned(spawn.slot_id)
+    sim.hello(spawn.slot_id)
+    sim.event(survivor, EventKind.ABORTED)
+    recover = sends(sim.event(spawn.slot_id, EventKind.JOINING), CommandKind.RECOVER)
+    by_slot = {send.slot_id: send.args for send in recover}
+    assert by_slot[spawn.slot_id]["own_rng"] == {"3": "r1s3", "4": "r1s4"}
+    sim.event(dead, EventKind.RNG_BACKUP, step=5, at="start", state="stale")
+    assert sim.job.streams.of(1) == {"3": "r1s3", "4": "r1s4"}

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from swiftrun.runtime.state.registry import Registry, RegistrationError, plain, unwrap
-from swiftrun.runtime.core.txn import PreStepCopy, Transaction
+from swiftrun.runtime.core.precopy import PreStepCopy
+from swiftrun.runtime.core.txn import Transaction
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,6 +19,7 @@ stays consistent (a rank whose state was being overwritten reports itself invali
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -33,12 +34,13 @@ from swiftrun.runtime.comm.group import GroupManager
 from swiftrun.runtime.core import undo
 from swiftrun.runtime.core.strategy import RecoveryPlan, Strategy, timed
 from swiftrun.runtime.core import streams
-from swiftrun.runtime.core.txn import PreStepCopy, Transaction, rng_state, set_rng_state
+from swiftrun.runtime.core.precopy import CopyPolicy, PreStepCopy, available_memory, estimate_nbytes
+from swiftrun.runtime.core.txn import Transaction, rng_state, set_rng_state
 from swiftrun.runtime.state import layout, verify
 from swiftrun.runtime.state.registry import Registry, RegistrationError, reachable_objects
 from swiftrun.runtime.worker import faults
 from swiftrun.runtime.worker.env import settings
-from swiftrun.runtime.worker.process import ProcessRuntime, warn
+from swiftrun.runtime.worker.process import ProcessRuntime, notice, warn
 
 log = logging.getLogger("swiftrun.runtime")
 
@@ -86,9 +88,8 @@ class Recovery:
         # each rank's own RNG streams (runtime/core/streams.py): backups from the launcher, kept by a replacement
         self.stream_backups: dict[int, dict[str, Any]] = {}
         self.per_rank_streams = False
-        # step -> optimizer index -> what undoes that step: an inverse's record, or (--exact-undo) a copy
+        # step -> optimizer index -> what undoes that step: an inverse's record, or (exact undo) a copy
         self._records: dict[int, dict[int, undo.StepRecord | PreStepCopy]] = {}
-        self.exact_undo = rt.wenv.exact_undo
         self._copies: dict[int, PreStepCopy] = {}  # optimizer index -> its pre-step copy (one slot, reused)
         # the gradient order of each DDP's first iterations, for a recovery before DDP reports its rebuilt buckets
         self._orders = [ddp_tools.ReadyOrder(d) if ddp_tools.rebuilds(d) else None for d in self.reg.ddps]
@@ -102,6 +103,10 @@ class Recovery:
         self.keep_last_update = self.mode == "undo" or self.strategy.keeps_last_update
         # undo mode may undo a completed step, whose start is one snapshot older than the current step's
         self.txn = Transaction(self.reg, keep=2 if self.keep_last_update else 1)
+        # when an update is copied before it runs, so that undoing it is bitwise (runtime/core/precopy.py)
+        self.copies = CopyPolicy(rt.wenv.exact_undo, "--recovery undo" if self.mode == "undo"
+                                 else self.strategy.undo_reason, _local_ranks())
+        self.inexact_undo: str | None = None  # why this recovery's undo was not bitwise, for its report
         # a layout that keeps part of a rank's state on that rank alone (runtime/state/layout.py): said now, and
         # with REGISTERED, so that the launcher never tries an in-place recovery that cannot be exact
         self.unrecoverable = layout.unrecoverable(self.reg)
@@ -185,6 +190,10 @@ class Recovery:
             self._warn_once(f"unregistered:{names}", (
                 f"an optimizer not passed to swiftrun.Run stepped ({names}); its state does not travel to a "
                 "replacement, so recovery would not be exact: pass it with swiftrun.Run(optimizer=[...])"))
+        if self._copies and self.rank == 0:
+            said = self.copies.announcement(sum(c.nbytes() for c in self._copies.values()))
+            if said:
+                notice(said)
         if not self.keep_last_update:
             # nobody will ever need to undo a completed step: roll-forward takes a completed rank's state
             self._records.clear()
@@ -239,6 +248,8 @@ class Recovery:
 
     def step_collective(self, name: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A collective the script issues inside a step, as the strategy runs it (a pipeline logs its result)."""
+        if self.partial:  # after the update: a failure in it leaves every survivor to undo
+            self.copies.saw_collective_after_update(name, self.step)
         return self.strategy.step_collective(name, fn, args, kwargs)
 
     def note_collective_on_state(self) -> None:
@@ -294,7 +305,7 @@ class Recovery:
             log.debug("generation %d recovered: %s %s", gen, plan.as_dict(), phases)
             if self.data_warning and self.rank == min(getattr(plan, "source", 0) or 0, self.world_size - 1):
                 warn(f"recovery {gen} is not exact: {self.data_warning}")
-            self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=plan.as_dict())
+            self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=self.plan_report(plan.as_dict()))
             self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
             if self.link.generation > gen:
                 continue
@@ -339,7 +350,7 @@ class Recovery:
         """For a strategy that reports later (Strategy.reports_later): this rank is consistent now; report
         RECOVERED and wait with everyone for RESUME. False: a newer failure came first (recover again)."""
         self.valid = True
-        self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=plan)
+        self.link.send_event(EventKind.RECOVERED, gen=gen, phases=phases, plan=self.plan_report(plan))
         self.link.wait_for(lambda: self._command_for(CommandKind.RESUME, gen) or self.link.generation > gen)
         return self.link.generation == gen
 
@@ -487,7 +498,11 @@ class Recovery:
                 self._back_up_streams(self.step + 1, rng_state(), "update")
             stepped = self._stepped.get(index, 0)
             self._stepped[index] = stepped + 1
-            if self.exact_undo:
+            if self.copies.wanted() and not stepped and index not in self._copies:
+                declined = self.copies.afford(estimate_nbytes(optimizer), available_memory())
+                if declined and self.rank == 0:
+                    warn(declined)
+            if self.copies.wanted():
                 if not stepped:  # the copy before the first step of the iteration also undoes a second one
                     pre = self._copies.setdefault(index, PreStepCopy())
                     pre.take(optimizer, self.step)
@@ -529,10 +544,14 @@ class Recovery:
         records = self._records.get(step, {})
         for index in sorted(records, reverse=True):
             record = records[index]
+            optimizer = self.reg.optimizers[index]
             if isinstance(record, PreStepCopy):
-                record.restore(self.reg.optimizers[index])
+                record.restore(optimizer)
             else:
-                undo.undo_step(self.reg.optimizers[index], record)
+                undo.undo_step(optimizer, record)
+                self.inexact_undo = self.copies.why_inexact(step, type(optimizer).__name__)
+        if self.inexact_undo:
+            warn(f"rank {self.rank}: {self.inexact_undo}")
         snap = self.txn.snapshot(step)
         assert snap is not None  # _undoable checked it
         self.txn.restore(snap)
@@ -543,6 +562,13 @@ class Recovery:
     def aborted(self) -> bool:
         """Whether the launcher aborted this rank's generation (a recovery is due)."""
         return self.link.generation > self.generation
+
+    def plan_report(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """The plan as RECOVERED reports it: with why this rank's undo was not bitwise, where it was not."""
+        if self.inexact_undo is None:
+            return plan
+        report, self.inexact_undo = dict(plan, inexact=self.inexact_undo), None
+        return report
 
     def forget_undo_records(self) -> None:
         """A recovery made this rank consistent: nothing before it can be undone any more."""
@@ -594,3 +620,11 @@ class Recovery:
 
 
 _warned: set[str] = set()
+
+
+def _local_ranks() -> int:
+    """The ranks on this machine (each keeps its own pre-step copy in its host memory)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1

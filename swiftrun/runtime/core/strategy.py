@@ -42,6 +42,8 @@ class Strategy:
 
     # a completed step may have to be undone, so its undo records and gradients are kept past its end
     keeps_last_update = False
+    # why (said with the cost of the copies that make such an undo bitwise, runtime/core/precopy.py)
+    undo_reason: str | None = None
 
     @property
     def runs_alone(self) -> bool:

@@ -121,14 +121,39 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Copier:
-    """Copies tensor leaves of a tree into buffers kept from the previous call (same path, shape, dtype)."""
+    """Copies tensor leaves of a tree into buffers kept from the previous call (same path, shape, dtype).
 
-    def __init__(self) -> None:
+    ``host``: a GPU tensor's buffer is pinned host memory, filled on the current stream without blocking the host
+    (work queued after it on that stream, such as the update it precedes, runs after the copy); :meth:`thaw`
+    brings such a copy back to its device.
+    """
+
+    def __init__(self, host: bool = False) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._host = host
+        self._homes: dict[int, torch.device] = {}  # id of a host buffer -> the device its source lives on
 
     def freeze(self, tree: Tree, path: str = "") -> Tree:
         """A copy of ``tree``: each tensor in the buffer kept for its path, anything else deep-copied."""
         return skeleton.map_tree_at(tree, lambda leaf, at: self._freeze_leaf(leaf, path, at))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def settle(self) -> None:
+        """Wait for the copies into host memory still in flight (before they are read)."""
+        if self._homes:
+            torch.cuda.synchronize()
+
+    def thaw(self, kept: Tree) -> Tree:
+        """A private copy of a frozen tree, each tensor on the device its source was on."""
+        return skeleton.map_tree(kept, self._thaw_leaf)
+
+    def _thaw_leaf(self, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return copy.deepcopy(leaf)
+        home = self._homes.get(id(leaf))
+        return leaf.to(home, copy=True) if home is not None else leaf.clone()
 
     def _freeze_leaf(self, leaf: Any, root: str, at: tuple) -> Any:
         if not isinstance(leaf, torch.Tensor):
@@ -136,11 +161,18 @@ class Copier:
         path = root + "".join(f".{k}" for k in at)  # the buffer's key, only built for a tensor
         kept = self._buffers.get(path)
         value = leaf.detach()
-        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != value.device:
-            kept = value.clone()
+        offload = self._host and value.device.type == "cuda"
+        device = torch.device("cpu") if offload else value.device
+        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != device:
+            if kept is not None:
+                self._homes.pop(id(kept), None)
+            if offload:
+                kept = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+                self._homes[id(kept)] = value.device
+            else:
+                kept = torch.empty_like(value)
             self._buffers[path] = kept
-        else:
-            kept.copy_(value)
+        kept.copy_(value, non_blocking=offload)
         return kept
 
 
@@ -274,57 +306,3 @@ def _set_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     owner._buffers[leaf] = value
-
-
-class PreStepCopy:
-    """``--exact-undo``: what one optimizer step changes, copied just before it runs, so that undoing the step is
-    a copy back: bitwise, and for any optimizer whose state lives in ``optimizer.state``.
-
-    The default undo inverts the update arithmetically (runtime/core/undo.py) and needs no memory, but a float32
-    update discards low-order bits that no formula gets back: measured on examples/train_dp.py (hidden 64), an
-    undone SGD-momentum step leaves 42% of the momentum buffer's elements and 0.1% of the parameters a few ULP
-    off, Adam 30% of its moments. This copy costs the parameters plus the optimizer state in memory (2x the
-    parameters for momentum SGD, 3x for Adam) and one memcpy of them per step. The buffers are allocated once
-    and reused (:class:`Copier`).
-    """
-
-    def __init__(self) -> None:
-        self._copier = Copier()
-        self.step: int | None = None  # the step whose update the copy precedes; None: nothing to restore
-        self._params: list[torch.Tensor] = []
-        self._saved: dict[str, list] = {"params": [], "state": []}
-
-    def take(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        # every parameter of every group, with or without a gradient: cheaper to reason about than guessing
-        # which ones this optimizer's step may touch
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        with torch.no_grad():
-            # .get, not [...]: optimizer.state is a defaultdict and must not grow entries here
-            self._saved = self._copier.freeze(
-                {"params": [p.detach() for p in params], "state": [dict(optimizer.state.get(p, {})) for p in params]})
-        self._params = params
-        self.step = step
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._copier._buffers.values())
-
-    def restore(self, optimizer: torch.optim.Optimizer) -> None:
-        """Put the parameters and the optimizer state back as they were before the step; the copy is spent."""
-        with torch.no_grad():
-            for param, value, saved in zip(self._params, self._saved["params"], self._saved["state"]):
-                param.copy_(value)
-                if not saved:  # the step created this parameter's state: without it the redo creates it again
-                    optimizer.state.pop(param, None)
-                    continue
-                live = optimizer.state[param]
-                for key in [k for k in live if k not in saved]:
-                    del live[key]
-                for key, kept in saved.items():
-                    current = live.get(key)
-                    if (isinstance(kept, torch.Tensor) and isinstance(current, torch.Tensor)
-                            and current.shape == kept.shape and current.dtype == kept.dtype
-                            and current.device == kept.device):
-                        current.copy_(kept)  # in place: a fused or compiled step may hold on to the tensor
-                    else:
-                        live[key] = _clone_tree(kept)  # never alias the copy's reused buffers
-        self.step = None

@@ -40,6 +40,8 @@ class DataParallel(Strategy):
         # step (whose start buffers every survivor copied) stays exact (consensus.buffers_held). The cost: the
         # last step's gradients copied once per step.
         self.keeps_last_update = bool(self.buffers.indices)
+        if self.keeps_last_update:
+            self.undo_reason = "DDP broadcasts rank 0's buffers (BatchNorm statistics, counters), which its failure can lose"
 
     def uncompared_buffers(self) -> set[int]:
         # between steps the buffers DDP broadcasts differ by design (each rank's own batch updated them)

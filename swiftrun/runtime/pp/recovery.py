@@ -38,6 +38,7 @@ class PipelineRecovery(Strategy):
     # a stage one update ahead of the others must undo it, possibly after its step completed (so the last
     # step's records and gradients are kept, as in undo mode)
     keeps_last_update = True
+    undo_reason = "a stage's replay may end before its peers' last update"
 
     def __init__(self, rec: Recovery, spec: Any, checkpoint_every: int | None) -> None:
         self.rec = rec

@@ -35,8 +35,9 @@ class WorkerEnv:
     heartbeat_interval: float
     faults: str
     recovery: str
-    # --exact-undo: undo restores a copy of parameters and optimizer state taken before each step
-    exact_undo: bool = False
+    # --exact-undo/--no-exact-undo: True copies parameters and optimizer state before every optimizer step (an
+    # undo restores them bitwise), False never, None (the default) wherever the job may undo an update
+    exact_undo: bool | None = None
     heartbeat_timeout: float = 30.0
     recovery_timeout: float = 120.0
     startup_timeout: float = 600.0
@@ -69,7 +70,7 @@ class WorkerEnv:
             heartbeat_interval=float(env.get("SWIFTRUN_HEARTBEAT_INTERVAL", "0.5") or 0.5),
             faults=env.get("SWIFTRUN_FAULTS", ""),
             recovery=env.get("SWIFTRUN_RECOVERY", "auto"),
-            exact_undo=env.get("SWIFTRUN_EXACT_UNDO") == "1",
+            exact_undo={"on": True, "off": False}.get(env.get("SWIFTRUN_EXACT_UNDO", "auto")),
             heartbeat_timeout=heartbeat,
             recovery_timeout=recovery,
             startup_timeout=startup,

@@ -38,6 +38,12 @@ def current() -> ProcessRuntime | None:
     return _current
 
 
+def notice(message: str) -> None:
+    """Something the user should know that is not wrong (what a safeguard costs): on the worker's stderr."""
+    sys.stderr.write(f"[swiftrun] rank {os.environ.get('RANK', '?')}: {message}\n")
+    sys.stderr.flush()
+
+
 def warn(message: str) -> None:
     """A warning the user must see: on the worker's stderr, and to the launcher (dashboard, event log)."""
     from swiftrun.protocol.control import EventKind
