@@ -9,7 +9,10 @@ times its parts directly, on examples/train_dp.py's model (one thread):
   * Transaction.begin (runtime/core/txn.py): every buffer, the param groups' hyperparameters, schedulers, scaler,
     user state, RNG streams, the parameters' version counters; and its parts rng_state() and param_versions();
   * undo.capture(copy_grads=False): the references the optimizer's step pre-hook keeps (auto mode);
-  * PreStepCopy.take: the copy --exact-undo makes before each optimizer step.
+  * PreStepCopy.take: the copy made before each optimizer step wherever the job may undo (by default: DDP
+    broadcasting buffers, a pipeline, a collective after optimizer.step(); always with --exact-undo);
+  * the per-rank RNG backup: streams.encode(rng_state()), made twice per step (step start, first update) and
+    handed to the link thread (runtime/core/streams.py).
 
     python scripts/bench_txn_overhead.py                     # hidden 256, 4 layers, Adam (train_dp's defaults)
     python scripts/bench_txn_overhead.py --hidden 1024 --optimizer momentum
@@ -31,7 +34,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 import train_dp  # noqa: E402
 
-from swiftrun.runtime.core import undo  # noqa: E402
+from swiftrun.runtime.core import streams, undo  # noqa: E402
 from swiftrun.runtime.state.registry import Registry  # noqa: E402
 from swiftrun.runtime.core.precopy import PreStepCopy  # noqa: E402
 from swiftrun.runtime.core.txn import Transaction, param_versions, rng_state  # noqa: E402
@@ -78,7 +81,8 @@ def main() -> None:
         "  of which rng_state()": per_call_us(rng_state, args.calls),
         "  of which param_versions()": per_call_us(lambda: param_versions(reg), args.calls),
         "undo.capture (references)": per_call_us(lambda: undo.capture(opt, False), args.calls),
-        "PreStepCopy.take (--exact-undo)": per_call_us(lambda: pre.take(opt, 5), args.calls),
+        "PreStepCopy.take (exact undo)": per_call_us(lambda: pre.take(opt, 5), args.calls),
+        "RNG backup encode (x2 per step)": 2 * per_call_us(lambda: streams.encode(rng_state()), args.calls),
     }
     count = sum(p.numel() for p in model.parameters())
     print(f"train_dp hidden {args.hidden} x {args.layers} layers, {args.optimizer}, {count / 1e6:.2f}M parameters, "

@@ -88,12 +88,26 @@ def test_every_replica_lost_falls_back_to_checkpoint_restart(references, tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_non_invertible_update_falls_back_to_restart(tmp_path, marker):
-    """AMSGrad cannot be undone. When every survivor applied its update and then failed in a later collective,
-    no exact state is left in place: the job says so and restarts every worker from its checkpoint."""
+def test_non_invertible_update_is_undone_from_its_pre_step_copy(references, tmp_path, marker):
+    """AMSGrad has no arithmetic inverse. Every survivor applied its update and then failed in the loss all-reduce
+    after it: the runtime saw that collective at step 0 and copies each step's state before its update from then
+    on, so the update is undone bitwise, in place."""
+    events = tmp_path / "events.jsonl"
+    proc = run(launch_args(2, "amsgrad", tmp_path / "save", events, ["--fault", "1:6:after-step:sigkill"],
+                           script_extra=("--sync-loss",)), marker, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ended = [e for e in _events(events) if e["event"] == "recovery_end"]
+    assert [(e["mode"], e["inexact"]) for e in ended] == [("undo", None)], ended
+    assert_recovered_equal(tmp_path / "save", references(2, "amsgrad", script_extra=("--sync-loss",)), 2, events)
+
+
+@pytest.mark.timeout(300)
+def test_non_invertible_update_without_its_copy_falls_back_to_restart(tmp_path, marker):
+    """The same failure with --no-exact-undo: no exact state is left in place, so the job says so and restarts
+    every worker from its checkpoint."""
     events = tmp_path / "events.jsonl"
     args = launch_args(2, "amsgrad", tmp_path / "save", events, ["--fault", "1:6:after-step:sigkill",
-                                                                  "--max-restarts", "1"],
+                                                                  "--max-restarts", "1", "--no-exact-undo"],
                         script_extra=("--sync-loss", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"))
     proc = run(args, marker, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

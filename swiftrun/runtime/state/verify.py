@@ -59,11 +59,26 @@ def plain(tree: Any) -> Any:
 
 
 def registered_digests(reg: Registry, per_rank: set[int] = frozenset()) -> dict[str, str]:
-    """``per_rank``: models whose buffers are each rank's own (DDP without buffer broadcast): not compared."""
+    """``per_rank``: models whose buffers differ between ranks by design (DDP without buffer broadcast, or the
+    buffers each rank's own batch updated after DDP's broadcast): not compared, except the buffers the model keeps
+    equal itself (:func:`synchronised_buffers`), whose difference is a silent error (a forward all-reduce that
+    ran on a stale group returned local statistics: issue 19, case 1)."""
     tree = state_tree(reg)
     for index in per_rank:
-        tree["models"][index] = {k: v for k, v in tree["models"][index].items() if not k.startswith("buffer:")}
+        kept = synchronised_buffers(reg.models[index])
+        tree["models"][index] = {k: v for k, v in tree["models"][index].items()
+                                 if not k.startswith("buffer:") or k[len("buffer:"):] in kept}
     return digest.digest_tree(plain(tree))
+
+
+def synchronised_buffers(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s buffers every rank computes alike: a SyncBatchNorm's running statistics and
+    batch counter, reduced over the whole job in every training forward; one synchronised over a subgroup only
+    agrees within it, and is left out)."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules()
+            if isinstance(module, torch.nn.SyncBatchNorm) and getattr(module, "process_group", None) is None
+            for name, buffer in module.named_buffers(recurse=False) if buffer is not None}
 
 
 def unregistered_digests(reg: Registry) -> dict[str, str]:
