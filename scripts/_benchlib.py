@@ -80,9 +80,9 @@ class Result:
 
 
 def parse_step_ms(text: str) -> float | None:
-    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``) line."""
+    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``, ``hsdp: ...``) line."""
     for line in reversed(text.splitlines()):
-        if ("train_dp: steps=" in line or "train_pp: steps=" in line) and "step_ms=" in line:
+        if any(f"{name}: steps=" in line for name in ("train_dp", "train_pp", "hsdp")) and "step_ms=" in line:
             try:
                 return float(line.rsplit("step_ms=", 1)[1].split()[0])
             except ValueError:

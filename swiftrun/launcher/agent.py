@@ -273,6 +273,8 @@ class Agent:
                 self._execute(self.job.on_event(slot_id, msg.gen, msg.event, msg.data, now))
             elif isinstance(msg, protocol.Ack):
                 self._execute(self.job.on_ack(slot_id, msg.cmd_id, now))
+            elif isinstance(msg, protocol.Ping):  # everything this worker sent before it was read above
+                self._send_raw(router, slot_id, protocol.Pong(gen=msg.gen, seq=msg.seq))
 
     def _stopped(self, slot_ids: list[int]) -> frozenset[int]:
         """Which of these slots' processes the kernel reports as stopped (state T), e.g. by SIGSTOP."""

@@ -29,6 +29,8 @@ class MsgKind(str, enum.Enum):
     EVENT = "EVENT"  # worker -> launcher, protocol events (see EventKind)
     COMMAND = "COMMAND"  # launcher -> worker, acknowledged
     ACK = "ACK"  # worker -> launcher
+    PING = "PING"  # worker -> launcher: answered with PONG once everything sent before it was read
+    PONG = "PONG"  # launcher -> worker
 
 
 class EventKind(str, enum.Enum):
@@ -119,8 +121,24 @@ class Ack(Message):
     cmd_id: int = 0
 
 
+@dataclass(frozen=True)
+class Ping(Message):
+    """Asks the launcher to confirm that it read everything this worker sent before (one connection keeps the
+    order). An injected fault waits for it before it strikes, so that what the rank said before its failure is
+    not lost in its socket's send queue, which a SIGKILL discards (tests/integration/test_zoo.py)."""
+
+    kind: ClassVar[MsgKind] = MsgKind.PING
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    kind: ClassVar[MsgKind] = MsgKind.PONG
+    seq: int = 0
+
+
 _TYPES: dict[MsgKind, type[Message]] = {
-    cls.kind: cls for cls in (Hello, Welcome, Heartbeat, Status, Event, Command, Ack)
+    cls.kind: cls for cls in (Hello, Welcome, Heartbeat, Status, Event, Command, Ack, Ping, Pong)
 }
 _ENUM_FIELDS = {"event": EventKind, "command": CommandKind}
 

@@ -265,5 +265,8 @@ def _strategy(pipeline: Any, checkpoint_every: int | None) -> Callable[[Any], An
 
         return lambda rec: PipelineRecovery(rec, pipeline, checkpoint_every)
     from swiftrun.runtime.dp.recovery import DataParallel
+    from swiftrun.runtime.hsdp.recovery import ShardedDataParallel
+    from swiftrun.runtime.state.layout import is_sharded
 
-    return DataParallel
+    # FSDP2/DTensor parameters: each rank's shards come from its replica set (HSDP); otherwise every rank is a replica
+    return lambda rec: ShardedDataParallel(rec) if is_sharded(rec.reg) else DataParallel(rec)

@@ -17,6 +17,8 @@ from swiftrun.protocol.control import (
     Heartbeat,
     Hello,
     Message,
+    Ping,
+    Pong,
     MsgKind,
     Status,
     Welcome,
@@ -36,6 +38,8 @@ EXAMPLES: list[Message] = [
     Command(gen=2, cmd_id=11, command=CommandKind.RECOVER, args={"world_size": 4, "replaced": [1, 3]}),
     Command(gen=0, cmd_id=0, command=CommandKind.ASSIGN, args={"env": {"RANK": "1"}, "rank": 1}),
     Ack(gen=2, cmd_id=11),
+    Ping(gen=1, seq=3),
+    Pong(gen=1, seq=3),
 ]
 
 

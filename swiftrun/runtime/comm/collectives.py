@@ -201,13 +201,23 @@ def _touches_state(rec: ScriptCollectives, args: tuple, kwargs: dict) -> bool:
         return False
     global _owned
     if _owned[0] != rec.step:  # once per step: optimizer state appears lazily, at the first optimizer step
-        owned = {t.untyped_storage().data_ptr() for t in rec.reg.parameters()}
-        owned |= {b.untyped_storage().data_ptr() for m in rec.reg.models for b in m.buffers()}
+        state = [*rec.reg.parameters(), *(b for m in rec.reg.models for b in m.buffers())]
         for opt in rec.reg.optimizers:
-            owned |= {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()
-                      if isinstance(v, torch.Tensor)}
-        _owned = (rec.step, owned)
-    return any(t.untyped_storage().data_ptr() in _owned[1] for t in tensors)
+            state += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        _owned = (rec.step, {key for key in map(_storage, state) if key is not None})
+    return any(_storage(t) in _owned[1] for t in tensors)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a tensor's data lives: a DTensor's (FSDP2, TP) is its local shard's; None for a storage FSDP freed
+    (an unsharded parameter between all-gathers) or a tensor without one."""
+    local = getattr(t, "_local_tensor", None)  # DTensor, without importing torch.distributed.tensor
+    if isinstance(local, torch.Tensor):
+        t = local
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _say_once(name: str, what: str) -> None:

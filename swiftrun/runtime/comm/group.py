@@ -25,6 +25,7 @@ import inspect
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -178,7 +179,7 @@ class GroupManager:
             self._aborted_below = max(self._aborted_below, generation)
             stale = self._sockets_gen < generation
             sockets = list(self._sockets) if stale else []
-            pg = dist.group.WORLD if stale and dist.is_initialized() else None
+            groups = list(dist.distributed_c10d._world.pg_map) if stale and dist.is_initialized() else []
         for fd, ino in sockets:
             try:
                 if os.fstat(fd).st_ino != ino:
@@ -192,11 +193,7 @@ class GroupManager:
                 pass
             finally:
                 conn.close()
-        if pg is not None and _has_nccl(pg):
-            try:
-                pg.abort()
-            except Exception:  # noqa: BLE001 - an abort that fails leaves the watchdog and timeouts as backstop
-                pass
+        _abort_nccl([pg for pg in groups if _has_nccl(pg)])
 
     def _keep_if_blocked(self) -> None:
         """Before the old generation's groups are dropped: if one of its operations is still inside gloo, keep
@@ -226,6 +223,25 @@ class GroupManager:
         if _backend_name(self.backend) == "nccl" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _abort_nccl(groups: list[Any], wait: float = 10.0) -> None:
+    """Abort every NCCL communicator of the generation at once, each in a thread of its own: one
+    ``ncclCommAbort`` can block until its kernels drain, and a mesh has a group per dimension (FSDP2/HSDP: the
+    shard, replicate and reduce-scatter groups besides the default one), which aborted in turn would add up. An
+    abort that fails or does not return within ``wait`` leaves the watchdog and the timeouts as the backstop."""
+    def abort(pg: Any) -> None:
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - see above
+            pass
+
+    threads = [threading.Thread(target=abort, args=(pg,), name="swiftrun-nccl-abort", daemon=True) for pg in groups]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + wait
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _default_timeout(backend: Any) -> timedelta:

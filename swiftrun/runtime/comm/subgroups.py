@@ -88,10 +88,15 @@ def install() -> None:
     """Record the script's ``new_group`` calls from now on (before torch is imported, or patch it now)."""
     module = sys.modules.get(_C10D)
     if module is not None:
+        original = getattr(module, "new_group", None)
         _patch(module)
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and getattr(dist, "new_group", None) is not getattr(module, "new_group"):
-            dist.new_group = module.new_group
+        # modules that imported the name already hold the unwrapped function: torch.distributed itself, and
+        # DeviceMesh (a replacement forked from the warm zygote imported it before this ran), whose mesh
+        # dimensions would otherwise never be re-created in a new generation
+        for name, other in list(sys.modules.items()):
+            if (name == "torch.distributed" or name.startswith("torch.distributed.")) and other is not module \
+                    and original is not None and getattr(other, "new_group", None) is original:
+                other.new_group = module.new_group
         return
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

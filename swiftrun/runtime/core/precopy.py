@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from swiftrun.runtime.core.txn import Copier
+from swiftrun.runtime.state.dtensor import local, rewrap_optimizer_state
 
 
 class PreStepCopy:
@@ -42,7 +43,9 @@ class PreStepCopy:
         with torch.no_grad():
             # .get, not [...]: optimizer.state is a defaultdict and must not grow entries here
             self._saved = self._copier.freeze(
-                {"params": [p.detach() for p in params], "state": [dict(optimizer.state.get(p, {})) for p in params]})
+                {"params": [local(p).detach() for p in params],  # a DTensor's local shard (FSDP2)
+                 "state": [{k: local(v) if isinstance(v, torch.Tensor) else v
+                            for k, v in optimizer.state.get(p, {}).items()} for p in params]})
         self._params = params
         self.step = step
 
@@ -54,7 +57,7 @@ class PreStepCopy:
         self._copier.settle()
         with torch.no_grad():
             for param, value, saved in zip(self._params, self._saved["params"], self._saved["state"]):
-                param.copy_(value)
+                local(param).copy_(value)
                 if not saved:  # the step created this parameter's state: without it the redo creates it again
                     optimizer.state.pop(param, None)
                     continue
@@ -63,11 +66,13 @@ class PreStepCopy:
                     del live[key]
                 for key, kept in saved.items():
                     current = live.get(key)
+                    current = local(current) if isinstance(current, torch.Tensor) else current
                     if (isinstance(kept, torch.Tensor) and isinstance(current, torch.Tensor)
                             and current.shape == kept.shape and current.dtype == kept.dtype):
                         current.copy_(kept)  # in place: a fused or compiled step may hold on to the tensor
                     else:
                         live[key] = self._copier.thaw(kept)  # never alias the copy's reused buffers
+        rewrap_optimizer_state(optimizer)  # a thawed tensor of a DTensor parameter is one again
         self.step = None
 
 
@@ -148,8 +153,8 @@ def estimate_nbytes(optimizer: torch.optim.Optimizer) -> int:
     """What a :class:`PreStepCopy` of ``optimizer`` will hold: its parameters and state, the state guessed as
     two tensors per parameter (Adam's moments) while the first step has not created it yet."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    size = sum(p.numel() * p.element_size() for p in params)
-    state = sum(v.numel() * v.element_size() for p in params for v in optimizer.state.get(p, {}).values()
+    size = sum(local(p).numel() * p.element_size() for p in params)
+    state = sum(local(v).numel() * v.element_size() for p in params for v in optimizer.state.get(p, {}).values()
                 if isinstance(v, torch.Tensor))
     return size + (state if state else 2 * size)
 

@@ -87,6 +87,10 @@ class Recovery:
         self._checked_first_step = False
         # each rank's own RNG streams (runtime/core/streams.py): backups from the launcher, kept by a replacement
         self.stream_backups: dict[int, dict[str, Any]] = {}
+        # this rank's own "update" backup (the next step's streams, taken before its update: runtime/core/streams.py)
+        # with its encoding, and whether the script was seen to draw between an update and the next step
+        self._update_streams: tuple[int, dict[str, Any], dict[str, Any]] | None = None
+        self._draws_after_update = False
         self.per_rank_streams = False
         # step -> optimizer index -> what undoes that step: an inverse's record, or (exact undo) a copy
         self._records: dict[int, dict[int, undo.StepRecord | PreStepCopy]] = {}
@@ -109,7 +113,7 @@ class Recovery:
         self.inexact_undo: str | None = None  # why this recovery's undo was not bitwise, for its report
         # a layout that keeps part of a rank's state on that rank alone (runtime/state/layout.py): said now, and
         # with REGISTERED, so that the launcher never tries an in-place recovery that cannot be exact
-        self.unrecoverable = layout.unrecoverable(self.reg)
+        self.unrecoverable = self._unrecoverable()
         if self.unrecoverable and self.rank == 0:  # the same for every rank: said once
             warn(self.unrecoverable)
         # a data source whose position cannot travel (an IterableDataset): said now or at the first step, and
@@ -206,7 +210,7 @@ class Recovery:
             self.data_warning = layout.unrestorable_data(reachable_objects())
             if self.data_warning:
                 warn(self.data_warning)
-        found = layout.unrecoverable(self.reg)  # a comm hook registered after Run() shows only now
+        found = self._unrecoverable()  # a comm hook registered after Run() shows only now
         if found and found != self.unrecoverable:
             self.unrecoverable = found
             warn(found)
@@ -216,6 +220,13 @@ class Recovery:
                 "no registered optimizer stepped in the first iteration of run.steps(): one iteration must hold "
                 "a whole optimizer step (accumulate gradients over micro-batches inside the guarded body), "
                 "otherwise a recovery would silently drop the gradients accumulated so far")
+
+    def _unrecoverable(self) -> str | None:
+        found = layout.unrecoverable(self.reg, sharding_recovered=self.strategy.recovers_shards)
+        refusal = self.strategy.refusal
+        if refusal:
+            found = f"{refusal}; {found}" if found else f"{refusal}: {layout.WHAT_HAPPENS}"
+        return found
 
     def _scaler_skipped(self) -> bool:
         """A GradScaler that found inf/NaN skips optimizer.step() and lowers its scale in update()."""
@@ -267,9 +278,10 @@ class Recovery:
 
     def recover(self) -> int:
         """Run the recovery for the newest aborted generation; returns the step to run next."""
+        # the strategy first (FSDP reshards: the parameters the step's snapshot describes are registered again)
+        self.strategy.on_abort()
         self._settle()
         self.aborted_iteration = True
-        self.strategy.on_abort()
         while True:
             gen = self.link.generation
             started = time.monotonic()
@@ -381,7 +393,13 @@ class Recovery:
     def _back_up_streams(self, step: int, state: dict[str, Any], at: str) -> None:
         """Send this rank's streams of ``step``'s start to the launcher (runtime/core/streams.py); ``at``: taken
         when that step began ("start"), or after the previous step's update ("update", provisional)."""
-        self.link.send_event(EventKind.RNG_BACKUP, step=step, at=at, state=streams.encode(state))
+        encoded = streams.encode(state)
+        if at == "update":
+            self._update_streams = (step, state, encoded)
+        elif self._update_streams is not None and self._update_streams[0] == step \
+                and self._update_streams[2] != encoded:
+            self._draws_after_update = True  # as the launcher concludes (launcher/streams.py)
+        self.link.send_event(EventKind.RNG_BACKUP, step=step, at=at, state=encoded)
 
     def _take_recover_args(self) -> None:
         """What the RECOVER command carries for this rank: its own streams' backups, whether streams are per rank."""
@@ -400,6 +418,11 @@ class Recovery:
             return snap
         if step in self.stream_backups:
             return self.stream_backups[step]
+        update = self._update_streams
+        if self.valid and update is not None and update[0] == step and not self._draws_after_update:
+            # a survivor stopped after its update, before the step's end (a partial rank that receives its
+            # replica's state): its streams as of the next step are the ones it backed up before the update
+            return update[1]
         if not self.partial and self.completed == step - 1 and not self.in_step and (self.valid or step == 0):
             # between steps the live streams are the next step's; a fresh replacement's before step 0 are too
             # (it ran the script from the top as the first process of its rank did)
@@ -443,7 +466,7 @@ class Recovery:
             return True  # the ranks hold different states by design (a pipeline's stages)
         try:
             with intercept.internal():
-                mismatches = verify.compare(self.reg, uncompared)
+                mismatches = verify.compare(self.reg, uncompared, group=self.strategy.compare_group)
         except Exception:  # noqa: BLE001 - a peer died during the comparison: recover, the recovery verifies
             if self.wait_for_abort():
                 return False

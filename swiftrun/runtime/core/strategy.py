@@ -44,6 +44,15 @@ class Strategy:
     keeps_last_update = False
     # why (said with the cost of the copies that make such an undo bitwise, runtime/core/precopy.py)
     undo_reason: str | None = None
+    # why this strategy cannot recover this job in place at all (said at Run(), as an unrecoverable layout is)
+    refusal: str | None = None
+    # whether the strategy copies a rank's shards from a replica (HSDP); otherwise sharded state is unrecoverable
+    recovers_shards = False
+
+    @property
+    def compare_group(self) -> Any:
+        """The group whose members must hold equal states between steps (None: every rank)."""
+        return None
 
     @property
     def runs_alone(self) -> bool:

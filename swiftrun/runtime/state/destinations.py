@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from swiftrun.runtime.state.dtensor import local
 from swiftrun.runtime.state.transfer import Destination, Path
 
 
@@ -48,7 +49,7 @@ def own_tensors(modules: Iterable[torch.nn.Module | None] = (), optimizers: Iter
         for index, p in enumerate(optimizer_params(opt)):
             for key, value in opt.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    own[(optimizers_key, i, "state", index, key)] = value
+                    own[(optimizers_key, i, "state", index, key)] = local(value)
     return own
 
 

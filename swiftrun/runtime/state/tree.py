@@ -13,21 +13,23 @@ from typing import Any, Callable
 import torch
 
 from swiftrun.runtime.state import transfer as streaming
+from swiftrun.runtime.state.dtensor import local, local_tree, rewrap_optimizer_state
 from swiftrun.runtime.state.destinations import own_tensors
 from swiftrun.runtime.state.registry import Registry
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by name (shared tensors once), as detached views of the live tensors."""
-    out = {f"param:{name}": p.detach() for name, p in model.named_parameters()}
-    out.update({f"buffer:{name}": b.detach() for name, b in model.named_buffers() if b is not None})
+    """Every parameter and buffer by name (shared tensors once), as detached views of the live tensors (a
+    DTensor's local shard: runtime/state/dtensor.py)."""
+    out = {f"param:{name}": local(p).detach() for name, p in model.named_parameters()}
+    out.update({f"buffer:{name}": local(b).detach() for name, b in model.named_buffers() if b is not None})
     return out
 
 
 def state_tree(reg: Registry) -> dict[str, Any]:
     return {
         "models": [model_tensors(m) for m in reg.models],
-        "optimizers": [o.state_dict() for o in reg.optimizers],
+        "optimizers": [local_tree(o.state_dict()) for o in reg.optimizers],
         "schedulers": [s.state_dict() for s in reg.schedulers],
         "scaler": reg.scaler.state_dict() if reg.scaler is not None else None,
         "user": reg.user_state_dict(),
@@ -62,6 +64,7 @@ def install(reg: Registry, tree: dict[str, Any]) -> None:
     for opt, sd in zip(reg.optimizers, tree["optimizers"]):
         opt.load_state_dict(sd)
         _move_state_like_params(opt)
+        rewrap_optimizer_state(opt)
     for sched, sd in zip(reg.schedulers, tree["schedulers"]):
         sched.load_state_dict(sd)
     if reg.scaler is not None and tree["scaler"] is not None:

@@ -138,11 +138,12 @@ def registration_warnings(reg: Registry) -> list[str]:
     return sorted(set(warnings_))
 
 
-def compare(reg: Registry, per_rank: set[int] = frozenset()) -> list[digest.Mismatch]:
-    """A collective over the default group: the entries whose digests differ between ranks."""
+def compare(reg: Registry, per_rank: set[int] = frozenset(), group: Any = None) -> list[digest.Mismatch]:
+    """A collective over ``group`` (None: the default group): the entries whose digests differ between its
+    members (an HSDP job compares the replicas of each shard, over each replica set's group)."""
     mine = registered_digests(reg, per_rank)
     mine.update(unregistered_digests(reg))
-    return digest.compare_across_ranks(mine)
+    return digest.compare_across_ranks(mine, group)
 
 
 def describe(mismatches: list[digest.Mismatch]) -> str:

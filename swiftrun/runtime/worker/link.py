@@ -52,6 +52,8 @@ class Link:
         self._outbox: queue.SimpleQueue[protocol.Message] = queue.SimpleQueue()
         self._queued = 0  # events put in the outbox (training thread) ...
         self._sent = 0  # ... and handed to the socket (link thread): flush() waits for these to meet
+        self._pings = 0  # PINGs flush() sent, and the newest PONG the launcher answered (link thread)
+        self._pong = 0
         self._status: protocol.Status | None = None
         self._answers: dict[CommandKind, protocol.Event] = {}  # link thread only: the last answer to each command
         self._wake_r, self._wake_w = os.pipe()
@@ -74,15 +76,24 @@ class Link:
             self._ring()
 
     def flush(self, timeout: float = 2.0) -> bool:
-        """Wait (bounded) until every event queued so far was handed to the socket. Used by an injected fault
-        before it kills its process: the fault models a failure at that point of the script, after what the rank
-        already said, not one that also races the link thread's scheduling on a loaded machine."""
+        """Wait (bounded) until every event queued so far was read by the launcher: handed to the socket, then a
+        PING answered. Used by an injected fault before it kills its process: the fault models a failure at that
+        point of the script, after what the rank already said, not one that also races the link thread's
+        scheduling or the socket's send queue (which a SIGKILL discards) on a loaded machine."""
         if not self.usable or not self._thread.is_alive():
             return False
+        deadline = time.monotonic() + timeout
         target = self._queued
         self._ring()
         with self._cv:
-            return self._cv.wait_for(lambda: self._sent >= target, timeout)
+            if not self._cv.wait_for(lambda: self._sent >= target, timeout):
+                return False
+            self._pings += 1
+            seq = self._pings
+        self._outbox.put(protocol.Ping(gen=self.generation, seq=seq))
+        self._ring()
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pong >= seq, max(0.0, deadline - time.monotonic()))
 
     def set_status(self, step: int, loss: float | None = None, step_time: float | None = None,
                    metrics: dict[str, float] | None = None) -> None:
@@ -192,6 +203,10 @@ class Link:
                     self._cv.notify_all()
             elif isinstance(msg, protocol.Command):
                 self._on_command(sock, msg)
+            elif isinstance(msg, protocol.Pong):
+                with self._cv:
+                    self._pong = max(self._pong, msg.seq)
+                    self._cv.notify_all()
 
     def _on_command(self, sock: zmq.Socket, cmd: protocol.Command) -> None:
         log.debug("link: received %s(%d)", cmd.command.value, cmd.gen)
