@@ -160,3 +160,23 @@ def test_where_ranks_draw_their_own_streams_the_point_is_one_every_receiver_can_
     assert plan.copies == ((0, (2,)), (3, (1,)))
     # nobody can reach a step every receiver has streams for: the newest step, which says so
     assert plan_sharded(statuses, SETS, {0: set(), 1: set(), 2: set(), 3: set()}).point == 13
+
+
+def test_hsdp_with_tensor_parallelism_inside_keeps_the_tp_coordinate_in_the_shard():
+    """torchtitan's 3-D layout: TP over the innermost dimension, FSDP over (replicate, shard): rank r*4 + s*2 + t
+    holds a copy of rank r'*4 + s*2 + t only (placements (Replicate, _StridedShard, Shard))."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["replicate", "shard"])
+        assert layout.replica_sets([model], 8) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+        assert layout.unrecoverable(Registry.build(model, [], [], None, None)) is None
+    finally:
+        dist.destroy_process_group()
