@@ -80,6 +80,9 @@ SCRIPTS: dict[str, tuple[str, tuple[str, ...], bool, bool]] = {
                                           "--layers", "3"), False, False),
     "train_dp_sync": ("examples/train_dp.py", ("--steps", "30", "--optimizer", "momentum", "--hidden", "64",
                                                "--layers", "3", "--sync-loss"), False, True),
+    # HSDP (2 replica groups x 2 shards): --world 4 only; FSDP's gradient hooks never run, so draw without the
+    # backward/allreduce phases (--phases forward,step,after-step,recover,scheduler,transfer,import)
+    "hsdp": ("examples/zoo/hsdp.py", ("--steps", "30"), True, False),
 }
 # pipelines: 4 ranks, short runs (a few layers, small hidden), a stage checkpoint interval that makes replays happen
 _PP = ("--steps", "60", "--layers", "4", "--hidden", "32", "--batch", "16", "--microbatches", "4", "--dropout", "0.1",
