@@ -45,7 +45,9 @@ class Run:
         model: the model: a DDP module, the module it wraps, a ``torch.compile``d one, or a list of them (a GAN's
             generator and discriminator). Every parameter and buffer travels to a replacement; every DDP wrapper
             is rebound to the rebuilt process group (DDP modules not passed here are found and registered too).
-        optimizer: one optimizer or a list. Their state travels; their last step can be undone.
+        optimizer: one optimizer or a list. Their state travels; their last step can be undone. What Accelerate's
+            ``prepare()`` or Lightning Fabric's ``setup()`` returned may be passed as it is (the optimizer, the
+            scheduler and the module inside are registered).
         scheduler: one LR scheduler or a list; state travels and is restored when a step is undone.
         scaler: a ``torch.amp.GradScaler``; a step it skipped is not undone.
         state: small user state that must travel: an object with ``state_dict``/``load_state_dict``, or a dict

@@ -29,6 +29,35 @@ def unwrap(model: Any) -> Any:
     return model
 
 
+# Framework wrappers around the objects a script registers, and the attribute that holds the wrapped object. Users
+# of Accelerate and Lightning Fabric hold only the wrapper (prepare() and setup() return it); the runtime must see
+# the torch object inside: an optimizer hook registered on AcceleratedOptimizer never fires (its step() calls the
+# inner optimizer's), and a _FabricModule is not the DDP to rebind. Matched by name and package so that
+# registering works without importing the framework, and a class of the same name elsewhere is left alone.
+_ACCELERATE = ("accelerate",)
+_LIGHTNING = ("lightning", "lightning_fabric", "pytorch_lightning")  # the unified package and the standalone ones
+_FRAMEWORK_WRAPPERS = {
+    "AcceleratedOptimizer": (_ACCELERATE, "optimizer"),
+    "AcceleratedScheduler": (_ACCELERATE, "scheduler"),
+    "_FabricOptimizer": (_LIGHTNING, "_optimizer"),
+    "_FabricModule": (_LIGHTNING, "_forward_module"),
+    "LightningOptimizer": (_LIGHTNING, "_optimizer"),
+}
+
+
+def unwrap_framework(obj: Any) -> Any:
+    """The torch object inside an Accelerate or Lightning wrapper (a prepared optimizer or scheduler, a Fabric
+    module or optimizer); anything else unchanged."""
+    while True:
+        known = _FRAMEWORK_WRAPPERS.get(type(obj).__name__)
+        if known is None or type(obj).__module__.split(".", 1)[0] not in known[0]:
+            return obj
+        inner = getattr(obj, known[1], None)
+        if inner is None:
+            return obj
+        obj = inner
+
+
 def plain(model: torch.nn.Module) -> torch.nn.Module:
     model = unwrap(model)
     return unwrap(model.module) if isinstance(model, DistributedDataParallel) else model
@@ -48,7 +77,9 @@ class Registry:
 
     @classmethod
     def build(cls, model: Any, optimizers: list, schedulers: list, scaler: Any, user_state: Any) -> Registry:
-        given = [unwrap(m) for m in _as_list(model)]
+        given = [unwrap(unwrap_framework(m)) for m in _as_list(model)]
+        optimizers = [unwrap_framework(o) for o in optimizers]
+        schedulers = [unwrap_framework(s) for s in schedulers]
         for m in given:
             if not isinstance(m, torch.nn.Module):
                 raise RegistrationError(f"swiftrun.Run(model=...) takes nn.Modules, got {type(m).__name__}")

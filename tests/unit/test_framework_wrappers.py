@@ -1,0 +1,60 @@
+"""swiftrun.Run takes the objects Accelerate's prepare() returns: the registry sees the torch objects inside.
+
+Real Accelerate objects, in one process on the CPU (Accelerator without a distributed launch wraps no DDP)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftrun.runtime.state.registry import Registry, unwrap_framework
+
+accelerate = pytest.importorskip("accelerate")
+
+
+@pytest.fixture
+def prepared():
+    from accelerate.state import AcceleratorState, GradientState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    accelerator = accelerate.Accelerator(cpu=True)
+    yield (model, opt, sched) + tuple(accelerator.prepare(model, opt, sched))
+    AcceleratorState._reset_state(True)  # a process-wide singleton: leave none behind for other tests
+    GradientState._reset_state()
+
+
+def test_prepared_optimizer_and_scheduler_are_registered_as_the_torch_objects_inside(prepared):
+    model, opt, sched, p_model, p_opt, p_sched = prepared
+    assert type(p_opt).__name__ == "AcceleratedOptimizer" and type(p_sched).__name__ == "AcceleratedScheduler"
+    reg = Registry.build(p_model, [p_opt], [p_sched], None, None)
+    assert reg.optimizers == [opt] and reg.schedulers == [sched] and reg.models == [model]
+
+
+def test_a_hook_on_the_registered_optimizer_fires_when_the_script_steps_the_prepared_one(prepared):
+    # why unwrapping matters: the runtime's undo records come from hooks on the registered optimizer
+    _, _, _, p_model, p_opt, p_sched = prepared
+    reg = Registry.build(p_model, [p_opt], [p_sched], None, None)
+    fired = []
+    reg.optimizers[0].register_step_pre_hook(lambda *_: fired.append("pre"))
+    p_model(torch.ones(3, 4)).sum().backward()
+    p_opt.step()
+    p_sched.step()
+    assert fired == ["pre"]
+    assert reg.schedulers[0].last_epoch == 1
+
+
+def test_a_class_of_the_same_name_from_another_package_is_left_alone():
+    class AcceleratedOptimizer:  # noqa: N801 - the name is the point
+        optimizer = "inner"
+
+    obj = AcceleratedOptimizer()
+    assert unwrap_framework(obj) is obj
+
+
+def test_plain_torch_objects_are_unchanged():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert unwrap_framework(model) is model and unwrap_framework(opt) is opt
