@@ -58,3 +58,19 @@ def test_plain_torch_objects_are_unchanged():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert unwrap_framework(model) is model and unwrap_framework(opt) is opt
+
+
+def test_compile_and_framework_wrappers_are_stripped_in_either_order():
+    # a stand-in with Fabric's class name and package (lightning is not a test dependency): a compiled Fabric
+    # module around a DDP-less model, and a Fabric module around a compiled model, both register the model itself
+    fabric_module = type("_FabricModule", (torch.nn.Module,), {"__module__": "lightning.fabric.wrappers"})
+
+    def wrap(inner: torch.nn.Module) -> torch.nn.Module:
+        outer = fabric_module()
+        outer._forward_module = inner
+        return outer
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for wrapped in (torch.compile(wrap(model)), wrap(torch.compile(model))):
+        assert Registry.build(wrapped, [opt], [], None, None).models == [model]

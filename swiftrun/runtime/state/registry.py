@@ -22,13 +22,6 @@ class RegistrationError(SwiftrunError):
     """``swiftrun.Run`` was given something recovery cannot handle exactly; the message says what to change."""
 
 
-def unwrap(model: Any) -> Any:
-    """Strip ``torch.compile``'s wrapper (OptimizedModule keeps the original in ``_orig_mod``)."""
-    while hasattr(model, "_orig_mod") and isinstance(model, torch.nn.Module):
-        model = model._orig_mod
-    return model
-
-
 # Framework wrappers around the objects a script registers, and the attribute that holds the wrapped object. Users
 # of Accelerate and Lightning Fabric hold only the wrapper (prepare() and setup() return it); the runtime must see
 # the torch object inside: an optimizer hook registered on AcceleratedOptimizer never fires (its step() calls the
@@ -45,17 +38,32 @@ _FRAMEWORK_WRAPPERS = {
 }
 
 
+def _framework_inner(obj: Any) -> Any | None:
+    """The object one framework wrapper holds, or None when ``obj`` is not one."""
+    known = _FRAMEWORK_WRAPPERS.get(type(obj).__name__)
+    if known is None or type(obj).__module__.split(".", 1)[0] not in known[0]:
+        return None
+    return getattr(obj, known[1], None)
+
+
 def unwrap_framework(obj: Any) -> Any:
     """The torch object inside an Accelerate or Lightning wrapper (a prepared optimizer or scheduler, a Fabric
     module or optimizer); anything else unchanged."""
-    while True:
-        known = _FRAMEWORK_WRAPPERS.get(type(obj).__name__)
-        if known is None or type(obj).__module__.split(".", 1)[0] not in known[0]:
-            return obj
-        inner = getattr(obj, known[1], None)
-        if inner is None:
-            return obj
+    while (inner := _framework_inner(obj)) is not None:
         obj = inner
+    return obj
+
+
+def unwrap(model: Any) -> Any:
+    """Strip ``torch.compile``'s wrapper (OptimizedModule keeps the original in ``_orig_mod``) and framework
+    wrappers, nested in either order (a compiled ``_FabricModule``, a Fabric module around a compiled DDP)."""
+    while True:
+        if isinstance(model, torch.nn.Module) and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif (inner := _framework_inner(model)) is not None:
+            model = inner
+        else:
+            return model
 
 
 def plain(model: torch.nn.Module) -> torch.nn.Module:
@@ -77,7 +85,7 @@ class Registry:
 
     @classmethod
     def build(cls, model: Any, optimizers: list, schedulers: list, scaler: Any, user_state: Any) -> Registry:
-        given = [unwrap(unwrap_framework(m)) for m in _as_list(model)]
+        given = [unwrap(m) for m in _as_list(model)]
         optimizers = [unwrap_framework(o) for o in optimizers]
         schedulers = [unwrap_framework(s) for s in schedulers]
         for m in given:
