@@ -413,7 +413,11 @@ class Recovery:
     def own_streams_for(self, step: int) -> dict[str, Any] | None:
         """This rank's own streams as of ``step``'s start, if it has them: its snapshot of that step, its backup
         (a replacement), or its live streams when it stands right before that step."""
-        snap = self.txn.rng_for(step) if self.valid else None
+        # a snapshot of that step exists only if this process began it, and holds the streams it began with: its
+        # own even where the step then wrote state no snapshot covers (an invalid rank, an HSDP survivor whose
+        # step an all-gather tainted), so validity is not asked here; it was, and such a survivor's streams were
+        # then "backed up nowhere" (a warning, and the rest of the run not the failure-free one)
+        snap = self.txn.rng_for(step)
         if snap is not None:
             return snap
         if step in self.stream_backups:
