@@ -46,6 +46,19 @@ def test_a_hook_on_the_registered_optimizer_fires_when_the_script_steps_the_prep
     assert reg.schedulers[0].last_epoch == 1
 
 
+def test_prepared_wrappers_of_registered_objects_are_neither_warned_about_nor_compared_as_unregistered(prepared):
+    # the wrapper lives on the heap beside the optimizer it wraps: it once read as an unregistered optimizer, so
+    # Run() warned and every recovery of an HF Trainer job was refused ("replicas differ after the recovery")
+    from swiftrun.runtime.state import verify
+
+    _, opt, _, p_model, p_opt, p_sched = prepared
+    reg = Registry.build(p_model, [p_opt], [p_sched], None, None)
+    assert verify.registration_warnings(reg) == []
+    assert not [k for k in verify.unregistered_digests(reg) if "Accelerated" in k]
+    bare = Registry.build(p_model, [], [], None, None)  # nothing registered: the wrapper is still said
+    assert any("AcceleratedOptimizer" in w for w in verify.registration_warnings(bare))
+
+
 def test_a_class_of_the_same_name_from_another_package_is_left_alone():
     class AcceleratedOptimizer:  # noqa: N801 - the name is the point
         optimizer = "inner"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from swiftrun.runtime.state import digest
-from swiftrun.runtime.state.registry import Registry, reachable_objects
+from swiftrun.runtime.state.registry import Registry, reachable_objects, unwrap_framework
 from swiftrun.runtime.state.tree import state_tree
 
 _KINDS: tuple[tuple[str, type], ...] = ()
@@ -97,7 +97,8 @@ def unregistered_digests(reg: Registry) -> dict[str, str]:
                 modules.append(obj)
             continue
         for kind, cls in kinds:
-            if isinstance(obj, cls) and id(obj) not in registered:
+            # an Accelerate/Lightning wrapper around a registered optimizer or scheduler is registered with it
+            if isinstance(obj, cls) and id(unwrap_framework(obj)) not in registered:
                 key = f"unregistered {kind} {type(obj).__qualname__}"
                 found.setdefault(key, []).append(_digest_of(obj.state_dict()))
                 break
@@ -118,17 +119,19 @@ def registration_warnings(reg: Registry) -> list[str]:
     """What the heap holds that training will change but the script did not register (said at ``Run()``)."""
     params = {id(p) for p in reg.parameters()}
     optimizers = {id(o) for o in reg.optimizers}
+    schedulers = {id(s) for s in reg.schedulers}
     warnings_: list[str] = []
     objects = [o for o in reachable_objects() if isinstance(o, (torch.optim.Optimizer, torch.nn.Module,
                                                                   *(cls for _, cls in _kinds())))]
     for obj in objects:
         name = type(obj).__name__
         if isinstance(obj, torch.optim.Optimizer):
-            if id(obj) not in optimizers and any(id(p) in params for g in obj.param_groups for p in g["params"]):
+            updates_model = any(id(p) in params for g in obj.param_groups for p in g["params"])
+            if id(unwrap_framework(obj)) not in optimizers and updates_model:
                 warnings_.append(f"optimizer {name} updates the registered model but is not registered "
                                  "(swiftrun.Run(optimizer=[...]))")
-        elif hasattr(obj, "optimizer") and id(obj) not in {id(s) for s in reg.schedulers} \
-                and id(getattr(obj, "optimizer", None)) in optimizers:
+        elif hasattr(obj, "optimizer") and id(unwrap_framework(obj)) not in schedulers \
+                and id(unwrap_framework(getattr(obj, "optimizer", None))) in optimizers:
             warnings_.append(f"scheduler {name} drives a registered optimizer but is not registered "
                              "(swiftrun.Run(scheduler=[...]))")
         elif name == "GradScaler" and obj is not reg.scaler and getattr(obj, "_enabled", True):
