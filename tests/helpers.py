@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +53,30 @@ def run_torchrun(cmd: list[str], marker: str, timeout: float, **env: str) -> sub
         warnings.warn(f"plain torchrun aborted in torch's teardown ({TORCH_EXIT_ABORT!r}); reference rerun once")
         proc = run(cmd, marker, timeout, **env)
     return proc
+
+
+def torchrun_reference(out: Path, script: Path, world: int, args: tuple[str, ...], timeout: float = 240) -> Path:
+    """Plain torchrun's failure-free run of ``script`` saving under ``out/save`` (what a recovered run must equal)."""
+    proc = run_torchrun(["torchrun", "--standalone", "--nproc-per-node", str(world), str(script), *args,
+                         "--save-dir", str(out / "save")], marker=f"{script.stem}-reference", timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "save"
+
+
+def event_records(events: Path) -> list[dict]:
+    """The records of a ``--event-log`` file written so far (none before it exists)."""
+    if not events.exists():
+        return []
+    return [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+
+
+def pids_by_rank(records: list[dict]) -> dict[int, set[int]]:
+    """Every process each rank ran as (its first one, then each replacement), from the worker_state records."""
+    out: dict[int, set[int]] = {}
+    for r in records:
+        if r["event"] == "worker_state" and r.get("pid") and r.get("rank") is not None:
+            out.setdefault(r["rank"], set()).add(r["pid"])
+    return out
 
 
 def start(cmd: list[str], marker: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:

@@ -8,7 +8,6 @@ integration tests: a handful, sharing one reference per step count.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, run, run_torchrun, start, swiftrun_cmd, wait_until
+from tests.helpers import (EXAMPLES, event_records, pids_by_rank, run, start, swiftrun_cmd, torchrun_reference,
+                           wait_until)
 
 sys.path.insert(0, str(EXAMPLES / "zoo"))
 from _common import differing_keys  # noqa: E402
@@ -38,19 +38,11 @@ def reference(tmp_path_factory):
 
     def get(steps: int) -> Path:
         if steps not in cache:
-            out = tmp_path_factory.mktemp(f"hsdp-ref-{steps}")
-            proc = run_torchrun(["torchrun", "--standalone", "--nproc-per-node", str(WORLD), str(SCRIPT),
-                                 "--steps", str(steps), *DEVICE, "--save-dir", str(out / "save")],
-                                marker="hsdp-reference", timeout=180)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[steps] = out / "save"
+            cache[steps] = torchrun_reference(tmp_path_factory.mktemp(f"hsdp-ref-{steps}"), SCRIPT, WORLD,
+                                              ("--steps", str(steps), *DEVICE), timeout=180)
         return cache[steps]
 
     return get
-
-
-def records_of(events: Path) -> list[dict]:
-    return [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
 
 
 def assert_bitwise(save: Path, reference: Path) -> None:
@@ -63,30 +55,22 @@ def assert_bitwise(save: Path, reference: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
-def pids_by_rank(records: list[dict]) -> dict[int, set[int]]:
-    out: dict[int, set[int]] = {}
-    for r in records:
-        if r["event"] == "worker_state" and r.get("pid") and r.get("rank") is not None:
-            out.setdefault(r["rank"], set()).add(r["pid"])
-    return out
-
-
 def swiftrun_hsdp(tmp_path: Path, marker: str, steps: int, *extra: str) -> tuple[Path, list[dict]]:
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
     proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events), *extra, str(SCRIPT),
                             "--steps", str(steps), *DEVICE, "--save-dir", str(save)), marker, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n" + (proc.stdout + proc.stderr)[-4000:]
-    return save, records_of(events)
+    return save, event_records(events)
 
 
-def assert_one_rank_replaced(records: list[dict], rank: int) -> None:
+def assert_one_rank_replaced(records: list[dict], rank: int, seed: int | None = None) -> None:
     ends = [r for r in records if r["event"] == "recovery_end"]
     assert [(r["outcome"], r["failed_ranks"]) for r in ends] == [("recovered", [rank])], ends
     pids = pids_by_rank(records)
     assert len(pids[rank]) == 2, pids  # the lost rank's process and its replacement
     assert all(len(pids[r]) == 1 for r in range(WORLD) if r != rank), pids  # the survivors kept theirs
     warnings = [r["message"] for r in records if r["event"] == "warning"]
-    assert not [w for w in warnings if "not the failure-free one" in w or "not exact" in w], warnings
+    assert not [w for w in warnings if "not the failure-free one" in w or "not exact" in w], (seed, warnings)
 
 
 @pytest.mark.timeout(300)
@@ -119,9 +103,9 @@ def test_an_outside_sigkill_of_a_random_hsdp_rank_at_a_random_moment(reference, 
     proc = start(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events), str(SCRIPT),
                               "--steps", str(steps), *DEVICE, "--save-dir", str(save)), marker)
     try:
-        wait_until(lambda: any(r["event"] == "progress" and r["step"] >= at for r in records_of(events)),
+        wait_until(lambda: any(r["event"] == "progress" and r["step"] >= at for r in event_records(events)),
                    timeout=180, what=f"step {at} (seed {seed})")
-        pid = next(iter(pids_by_rank(records_of(events))[victim]))
+        pid = next(iter(pids_by_rank(event_records(events))[victim]))
         os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:
@@ -129,8 +113,8 @@ def test_an_outside_sigkill_of_a_random_hsdp_rank_at_a_random_moment(reference, 
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, f"seed {seed}: exit {proc.returncode}\n{(out + err)[-4000:]}"
-    records = records_of(events)
+    records = event_records(events)
     ends = [r for r in records if r["event"] == "recovery_end"]
     if ends:  # a kill that landed after the last step needs no recovery (the job had finished training)
-        assert_one_rank_replaced(records, victim)
+        assert_one_rank_replaced(records, victim, seed)
     assert_bitwise(save, reference(steps)), f"seed {seed}"
