@@ -42,6 +42,7 @@ ARGS = {  # short runs: a few seconds each beyond importing torch
     "fsdp_1d": ("--steps", "8"),
     "powersgd": ("--steps", "12"),
     "streaming": ("--steps", "12"),
+    "accelerate_loop": ("--steps", "12"),
 }
 
 
@@ -280,3 +281,19 @@ def test_registered_state_fed_by_a_skipped_evaluation_all_reduce_is_refused_loud
     assert proc.returncode == 1
     assert "replicas differ before step 10" in proc.stderr and "user.eval_sum" in proc.stderr, proc.stderr[-3000:]
     assert "was skipped" in proc.stderr  # the skipped all-reduce was named at its call site
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["1:5:forward:sigkill",
+                                   pytest.param("1:7:after-step:sigkill", marks=pytest.mark.extended)])
+def test_an_accelerate_loop_is_recovered_in_place_accumulation_count_included(fault, zoo_reference, tmp_path,
+                                                                              marker):
+    """What accelerator.prepare() returned is registered as it is, and one accelerator.accumulate window of 2
+    micro-batches is one step. Killed in the window's first forward (step 5), or after its update of the last
+    step of epoch 0 (step 7): the job ends bitwise as torchrun's failure-free run, Accelerate's micro-batch count
+    included (a redone window counted its micro-batches twice before it travelled with the state)."""
+    pytest.importorskip("accelerate")
+    save, records = swiftrun_zoo("accelerate_loop", tmp_path, marker, faults=(fault,))
+    assert [r["outcome"] for r in recoveries(records)] == ["recovered"]
+    assert [r["message"] for r in records if r["event"] == "warning"] == []
+    assert_same_as_reference(save, zoo_reference("accelerate_loop"), records)

@@ -59,6 +59,24 @@ def test_prepared_wrappers_of_registered_objects_are_neither_warned_about_nor_co
     assert any("AcceleratedOptimizer" in w for w in verify.registration_warnings(bare))
 
 
+def test_the_accelerators_micro_batch_count_travels_and_is_restored_with_the_user_state(prepared):
+    # accelerator.accumulate() synchronises gradients at every n-th micro-batch it counts: a redone window must
+    # count from its start's count, a replacement from its replica's. The Accelerator is found where a script
+    # holds it (a local of a frame on the stack), as no prepared object points back at it
+    _, _, _, p_model, p_opt, p_sched = prepared
+    accelerator = accelerate.Accelerator(cpu=True)  # the process-wide state is shared with the fixture's
+    reg = Registry.build(p_model, [p_opt], [p_sched], None, {"ema_steps": 3})
+    assert [holder for holder, _ in reg.counters] == [accelerator] and reg.has_user_state
+    accelerator.step = 7
+    saved = reg.user_state_dict()
+    assert saved == {"script": {"ema_steps": 3}, "counters": [{"step": 7}]}
+    accelerator.step = 9
+    reg.load_user_state(saved)
+    assert accelerator.step == 7 and reg.user_state == {"ema_steps": 3}
+    plain_reg = Registry.build(torch.nn.Linear(1, 1), [], [], None, {"a": 1})  # no Accelerate: format unchanged
+    assert plain_reg.counters == [] and plain_reg.user_state_dict() == {"a": 1}
+
+
 def test_a_class_of_the_same_name_from_another_package_is_left_alone():
     class AcceleratedOptimizer:  # noqa: N801 - the name is the point
         optimizer = "inner"

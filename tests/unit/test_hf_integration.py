@@ -44,6 +44,13 @@ def test_outside_swiftrun_the_trainer_is_returned_untouched(trainer):
     assert "_run_epoch" not in vars(trainer) and "get_batch_samples" not in vars(trainer)
 
 
+def test_a_transformers_release_before_5_is_refused_naming_it(trainer, monkeypatch):
+    # the module the integration imports: transformers re-registers itself in sys.modules once a Trainer is made
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(hf.UnsupportedTrainer, match="transformers 4.57.1 has another"):
+        hf.recoverable(trainer)
+
+
 def test_anything_but_a_trainer_is_refused_by_name():
     with pytest.raises(hf.UnsupportedTrainer, match="takes a transformers.Trainer"):
         hf.recoverable(object())

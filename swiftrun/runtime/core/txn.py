@@ -240,7 +240,7 @@ class Transaction:
                                  for i, opt in enumerate(reg.optimizers)],
                 schedulers=[copy.deepcopy(s.state_dict()) for s in reg.schedulers],
                 scaler=copy.deepcopy(reg.scaler.state_dict()) if reg.scaler is not None else None,
-                user=copier.freeze(reg.user_state_dict(), "u") if reg.user_state is not None else None,
+                user=copier.freeze(reg.user_state_dict(), "u") if reg.has_user_state else None,
                 rng=rng_state(),
                 param_versions=versions,
             )

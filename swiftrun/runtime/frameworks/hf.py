@@ -86,6 +86,12 @@ def _check(trainer: Any) -> None:
     except ImportError as exc:  # pragma: no cover - the caller built a Trainer
         raise UnsupportedTrainer("swiftrun.hf needs transformers installed") from exc
     version = getattr(transformers, "__version__", "?")
+    major = version.split(".", 1)[0]
+    if major.isdigit() and int(major) < 5:
+        raise UnsupportedTrainer(
+            f"swiftrun.hf drives the Trainer loop of transformers 5.x (5.23.0 tested); transformers {version} "
+            "has another. Upgrade transformers, or train under swiftrun without recoverable(): a failure then "
+            "restarts every worker (--max-restarts)")
     if not isinstance(trainer, transformers.Trainer):
         raise UnsupportedTrainer(f"swiftrun.hf.recoverable() takes a transformers.Trainer, not {type(trainer)!r}")
     missing = [name for name in _METHODS if not callable(getattr(trainer, name, None))]

@@ -46,6 +46,17 @@ def _framework_inner(obj: Any) -> Any | None:
     return getattr(obj, known[1], None)
 
 
+def _is_accelerate(obj: Any) -> bool:
+    return type(obj).__module__.split(".", 1)[0] in _ACCELERATE and _framework_inner(obj) is not None
+
+
+def _accelerators() -> list[Any]:
+    """The Accelerators the script holds (its prepare()d objects do not point back at theirs), found where the
+    script keeps its training state (reachable_objects)."""
+    return [o for o in reachable_objects() if type(o).__name__ == "Accelerator"
+            and type(o).__module__.split(".", 1)[0] in _ACCELERATE]
+
+
 def unwrap_framework(obj: Any) -> Any:
     """The torch object inside an Accelerate or Lightning wrapper (a prepared optimizer or scheduler, a Fabric
     module or optimizer); anything else unchanged."""
@@ -82,9 +93,16 @@ class Registry:
     scaler: Any | None
     user_state: Any | None
     notes: list[str] = field(default_factory=list)  # what registration found and decided, for the user
+    # counters a framework keeps beside the objects registered (an Accelerator's micro-batch count), travelling
+    # and restored with the user state: (holder, attribute names)
+    counters: list[tuple[Any, tuple[str, ...]]] = field(default_factory=list)
 
     @classmethod
     def build(cls, model: Any, optimizers: list, schedulers: list, scaler: Any, user_state: Any) -> Registry:
+        accelerators = _accelerators() if any(
+            _is_accelerate(o) for o in (*optimizers, *schedulers)) else []
+        if scaler is None:  # Accelerate's mixed precision keeps its GradScaler on the Accelerator
+            scaler = next((a.scaler for a in accelerators if getattr(a, "scaler", None) is not None), None)
         given = [unwrap(m) for m in _as_list(model)]
         optimizers = [unwrap_framework(o) for o in optimizers]
         schedulers = [unwrap_framework(s) for s in schedulers]
@@ -113,12 +131,33 @@ class Registry:
                 models.append(plain(d))
                 notes.append(f"registered {type(plain(d)).__name__} (a DDP module not passed to swiftrun.Run)")
         ddps = [wrappers[id(m)] for m in models if id(m) in wrappers]
-        return cls(models, ddps, list(optimizers), list(schedulers), scaler, user_state, notes)
+        # accelerator.accumulate() counts micro-batches and synchronises gradients at every n-th: a redone window
+        # must count from the count its start had, and a replacement from its replica's
+        counters = [(a, ("step",)) for a in accelerators]
+        return cls(models, ddps, list(optimizers), list(schedulers), scaler, user_state, notes, counters)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for model in self.models for p in model.parameters()]
 
+    @property
+    def has_user_state(self) -> bool:
+        return self.user_state is not None or bool(self.counters)
+
     def user_state_dict(self) -> Any:
+        if self.counters:  # the script's state beside the framework's counters (only where there are some)
+            counted = [{name: getattr(holder, name) for name in names} for holder, names in self.counters]
+            return {"script": self._script_state_dict(), "counters": counted}
+        return self._script_state_dict()
+
+    def load_user_state(self, sd: Any) -> None:
+        if self.counters and sd is not None:
+            for (holder, _), values in zip(self.counters, sd["counters"]):
+                for name, value in values.items():
+                    setattr(holder, name, value)
+            sd = sd["script"]
+        self._load_script_state(sd)
+
+    def _script_state_dict(self) -> Any:
         user = self.user_state
         if user is None:
             return None
@@ -126,7 +165,7 @@ class Registry:
             return user.state_dict()
         return dict(user)
 
-    def load_user_state(self, sd: Any) -> None:
+    def _load_script_state(self, sd: Any) -> None:
         user = self.user_state
         if user is None or sd is None:
             return
