@@ -80,9 +80,11 @@ class Result:
 
 
 def parse_step_ms(text: str) -> float | None:
-    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``, ``hsdp: ...``) line."""
+    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``, ``hsdp: ...``, ``hf_trainer: ...``)
+    line."""
     for line in reversed(text.splitlines()):
-        if any(f"{name}: steps=" in line for name in ("train_dp", "train_pp", "hsdp")) and "step_ms=" in line:
+        names = ("train_dp", "train_pp", "hsdp", "hf_trainer")
+        if any(f"{name}: steps=" in line for name in names) and "step_ms=" in line:
             try:
                 return float(line.rsplit("step_ms=", 1)[1].split()[0])
             except ValueError:
@@ -208,6 +210,89 @@ def step_time_runs(names: Sequence[str], reps: int, run_one: Callable[[str, int]
             if not res.ok:
                 print(tail(res.output, 12))
     return results
+
+
+def launcher_run(name: str, nproc: int, script: Path, script_args: Callable[[Path], list[str]], scratch: Scratch,
+                 timeout: float) -> Result:
+    """One failure-free run of ``script`` under ``name`` ("torchrun", no restarts, or "swiftrun" with its
+    defaults), saving into its own scratch directory (``result.extra["save"]``)."""
+    work = scratch.new(name)
+    if name == "torchrun":
+        cmd = torchrun_cmd(nproc, script_args(work / "save"), max_restarts=0, script=script)
+    else:
+        cmd = swiftrun_cmd(nproc, script_args(work / "save"), script=script)
+    res = run(cmd, work, timeout)
+    res.extra["save"] = work / "save"
+    return res
+
+
+def vs_baseline_table(results: dict[str, list[Result]], baseline: str, what: str = "step_ms") -> str:
+    """Each variant's median [min..max] step time, and its median against the baseline's."""
+    base = med(r.step_ms for r in results[baseline])
+    rows = []
+    for name, rs in results.items():
+        m = med(r.step_ms for r in rs)
+        rows.append([name, fmt_stat([r.step_ms for r in rs], 3),
+                     f"{(m / base - 1) * 100:+.1f}%" if m and base else "-", f"{sum(r.ok for r in rs)}/{len(rs)}"])
+    return table(["launcher", f"{what} median [min..max]", f"vs {baseline}", "ok"], rows)
+
+
+RECOVERY_PHASES = ("detect", "abort", "spawn", "rebuild", "consensus", "undo", "transfer", "resume")
+
+
+def recovery_runs(count: int, scratch: Scratch, command: Callable[[Path, Path], list[str]], reference: Path | None,
+                  timeout: float) -> str:
+    """``count`` runs of ``command(save_dir, event_log)`` (each with one injected failure): a line per run with its
+    phases and whether it ended bitwise as ``reference``, then the table of phases over the runs."""
+    recs = []
+    for rep in range(count):
+        work = scratch.new(f"recovery{rep}")
+        events = work / "events.jsonl"
+        res = run(command(work / "save", events), work, timeout)
+        phases = {p: 0.0 for p in RECOVERY_PHASES}
+        for e in read_events(events):
+            if e["event"] == "recovery_phase" and e.get("phase") in phases:
+                phases[e["phase"]] += float(e.get("duration") or 0.0) * 1000.0
+        summary = recovery_summary(events)
+        exact = same_rank_files(work / "save", reference) if reference is not None else None
+        recs.append((phases, summary))
+        print(f"  run {rep + 1}: rc={res.rc} outcome={summary['outcomes']} total="
+              f"{fmt((summary['recovery_total_s'] or 0) * 1000, 0)} ms bitwise={exact} " +
+              " ".join(f"{p}={v:.0f}" for p, v in phases.items()), flush=True)
+        if res.rc != 0:
+            print(tail(res.output, 12))
+    return table(["phase", "ms median [min..max]"],
+                 [[p, fmt_stat([ph[p] for ph, _ in recs], 0)] for p in RECOVERY_PHASES] +
+                 [["total (kill -> resumed)", fmt_stat([(s["recovery_total_s"] or 0) * 1000 for _, s in recs], 0)]])
+
+
+def launchers_then_recoveries(args: Any, nproc: int, script: Path, script_args: Callable[[Path], list[str]],
+                              what: str, killed: str) -> None:
+    """The shape of a benchmark of one example script: ``args.reps`` interleaved failure-free runs under swiftrun
+    and torchrun (``args.steps`` of them timed), their table, then ``args.recoveries`` runs with rank 1 killed by
+    an injected fault in the forward of step ``args.kill_step`` (``killed`` says where, for the heading), and the
+    JSON of the step times where ``args.json`` asks for it."""
+    scratch = Scratch(script.stem, keep=args.keep)
+
+    def run_one(name: str, rep: int) -> Result:
+        return launcher_run(name, nproc, script, script_args, scratch, args.timeout)
+
+    def faulty(save: Path, events: Path) -> list[str]:
+        return swiftrun_cmd(nproc, script_args(save), event_log=events, script=script,
+                            extra=["--fault", f"1:{args.kill_step}:forward:sigkill"])
+
+    try:
+        results = step_time_runs(["swiftrun", "torchrun"], args.reps, run_one)
+        print()
+        print(vs_baseline_table(results, "torchrun", what))
+        reference = next((r.extra["save"] for r in results["torchrun"] if r.ok), None)
+        print(f"\n# recovery: rank 1 SIGKILLed {killed}")
+        found = recovery_runs(args.recoveries, scratch, faulty, reference, args.timeout)
+        print()
+        print(found)
+    finally:
+        scratch.close()
+    write_json(args.json, {"args": vars(args), "machine": machine_line(), "step_time": step_time_json(results)})
 
 
 def step_time_json(results: dict[Any, list[Result]]) -> list[dict[str, Any]]:

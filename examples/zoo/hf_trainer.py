@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 from torch import nn
@@ -44,6 +45,27 @@ class Regression(nn.Module):
         return {"loss": loss, "logits": out}
 
 
+def step_timer(warmup: int) -> object:
+    """A callback timing the updates after ``warmup`` (prints ``hf_trainer: steps=N step_ms=X`` on rank 0 at the
+    end, for scripts/bench_hf.py)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            steady = self.times[warmup:]
+            if state.is_world_process_zero and len(steady) > 1:
+                mean = (steady[-1] - steady[0]) / (len(steady) - 1) * 1000
+                print(f"hf_trainer: steps={len(steady) - 1} step_ms={mean:.3f}", flush=True)
+
+    return StepTimer()
+
+
 class Samples(torch.utils.data.Dataset):
     def __init__(self, size: int, features: int, targets: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -67,6 +89,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=-1, help="updates to run (default: the epochs')")
+    parser.add_argument("--time-steps", type=int, default=0, metavar="WARMUP",
+                        help="print rank 0's mean update time after WARMUP updates (scripts/bench_hf.py)")
     parser.add_argument("--save-dir", required=True)
     args = parser.parse_args()
 
@@ -74,14 +99,15 @@ def main() -> None:
 
     targets = 4
     training = TrainingArguments(
-        output_dir=os.path.join(args.save_dir, "trainer"), num_train_epochs=args.epochs,
+        output_dir=os.path.join(args.save_dir, "trainer"), num_train_epochs=args.epochs, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accumulation,
         learning_rate=args.lr, weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=1.0,
         optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, seed=args.seed, use_cpu=True, ddp_backend="gloo")
     torch.manual_seed(args.seed)
     model = Regression(args.features, args.hidden, targets)
-    trainer = swiftrun.hf.recoverable(Trainer(model=model, args=training,
+    callbacks = [step_timer(args.time_steps)] if args.time_steps else None
+    trainer = swiftrun.hf.recoverable(Trainer(model=model, args=training, callbacks=callbacks,
                                               train_dataset=Samples(args.samples, args.features, targets, args.seed)))
     output = trainer.train()
 
