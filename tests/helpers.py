@@ -79,6 +79,32 @@ def pids_by_rank(records: list[dict]) -> dict[int, set[int]]:
     return out
 
 
+def draw_seed() -> int:
+    """A random test's seed: ``SWIFTRUN_TEST_SEED`` to replay a draw, else a fresh one (put it in every message)."""
+    import random
+
+    return int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or random.randrange(1, 2**31)
+
+
+def run_killing_at_step(cmd: list[str], marker: str, events: Path, rank: int, step: int, what: str,
+                        timeout: float = 240) -> tuple[int, str]:
+    """Start the launcher, SIGKILL ``rank``'s process from outside once the event log shows progress at
+    ``step`` (the moment within that step is wherever the kill lands), and wait for the end: ``(returncode,
+    output)``. ``what`` names the draw in a timeout's message. The launcher is killed if anything in between
+    fails, so nothing leaks."""
+    proc = start(cmd, marker)
+    try:
+        wait_until(lambda: any(r["event"] == "progress" and r["step"] >= step for r in event_records(events)),
+                   timeout=180, what=f"step {step} ({what})")
+        os.kill(min(pids_by_rank(event_records(events))[rank]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out + err
+
+
 def start(cmd: list[str], marker: str, cwd: Path | None = None, **env: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=test_env(marker, **env), cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
@@ -154,19 +180,11 @@ def kill_together_once_stopped(events: Path, ranks: tuple[int, ...], timeout: fl
     ``sigstop`` fault): a loss of several ranks at the same instant, whatever the machine's load. Their pids come
     from the event log's worker_state records. Do it within the heartbeat timeout, after which the launcher reaps
     a stopped rank itself."""
-    import json
-
     from swiftrun.launcher.procs import is_stopped
 
     def pids() -> dict[int, int]:
-        if not events.exists():
-            return {}
-        found = {}
-        for line in events.read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if record.get("event") == "worker_state" and record.get("rank") in ranks and record.get("pid"):
-                found[record["rank"]] = record["pid"]
-        return found
+        return {r["rank"]: r["pid"] for r in event_records(events)
+                if r["event"] == "worker_state" and r.get("rank") in ranks and r.get("pid")}
 
     wait_until(lambda: len(pids()) == len(ranks) and all(is_stopped(p) for p in pids().values()), timeout=timeout,
                what=f"ranks {list(ranks)} stopped at their faults")

@@ -10,16 +10,15 @@ its loss is reported with the next log; the training state must still be bitwise
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import EXAMPLES, event_records, run, start, swiftrun_cmd, torchrun_reference, wait_until
+from tests.helpers import (EXAMPLES, draw_seed, event_records, run, run_killing_at_step, swiftrun_cmd,
+                           torchrun_reference)
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES / "zoo"))
@@ -110,24 +109,14 @@ def test_a_rank_killed_after_the_last_update_of_an_epoch_is_replaced_at_the_next
 @pytest.mark.timeout(360)
 def test_an_outside_sigkill_at_a_random_moment(reference, tmp_path, marker):
     """SIGKILL from outside, at a moment the test does not choose. Set SWIFTRUN_TEST_SEED to replay a draw."""
-    seed = int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or random.randrange(1, 2**31)
+    seed = draw_seed()
     rng = random.Random(seed)
     victim, at = rng.randrange(WORLD), rng.randrange(2, 30)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    proc = start(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events), str(SCRIPT), *LONG,
-                              "--save-dir", str(save)), marker)
-    try:
-        wait_until(lambda: any(r["event"] == "progress" and r["step"] >= at for r in event_records(events)),
-                   timeout=180, what=f"step {at} (seed {seed})")
-        pid = next(r["pid"] for r in event_records(events)
-                   if r["event"] == "worker_state" and r.get("rank") == victim and r.get("pid"))
-        os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, f"seed {seed}: exit {proc.returncode}\n{(out + err)[-4000:]}"
+    code, output = run_killing_at_step(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events),
+                                                    str(SCRIPT), *LONG, "--save-dir", str(save)),
+                                       marker, events, victim, at, f"seed {seed}")
+    assert code == 0, f"seed {seed}: exit {code}\n{output[-4000:]}"
     records = event_records(events)
     if not outcomes(records):
         return  # it landed after training (the job had finished: no recovery, the victim may not have saved)

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import (EXAMPLES, event_records, pids_by_rank, run, start, swiftrun_cmd, torchrun_reference,
-                           wait_until)
+from tests.helpers import (EXAMPLES, draw_seed, event_records, pids_by_rank, run, run_killing_at_step, swiftrun_cmd,
+                           torchrun_reference)
 
 sys.path.insert(0, str(EXAMPLES / "zoo"))
 from _common import differing_keys  # noqa: E402
@@ -95,24 +94,15 @@ def test_a_killed_hsdp_rank_is_replaced_in_place_from_its_replica(fault, referen
 def test_an_outside_sigkill_of_a_random_hsdp_rank_at_a_random_moment(reference, tmp_path, marker):
     """SIGKILL from outside, at a moment the test does not choose (the step is drawn, the moment within it is
     wherever the kill lands). Set SWIFTRUN_TEST_SEED to replay a draw."""
-    seed = int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or random.randrange(1, 2**31)
+    seed = draw_seed()
     rng = random.Random(seed)
     steps, victim = 60, rng.randrange(WORLD)
     at = rng.randrange(3, 20)
     save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    proc = start(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events), str(SCRIPT),
-                              "--steps", str(steps), *DEVICE, "--save-dir", str(save)), marker)
-    try:
-        wait_until(lambda: any(r["event"] == "progress" and r["step"] >= at for r in event_records(events)),
-                   timeout=180, what=f"step {at} (seed {seed})")
-        pid = next(iter(pids_by_rank(event_records(events))[victim]))
-        os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, f"seed {seed}: exit {proc.returncode}\n{(out + err)[-4000:]}"
+    code, output = run_killing_at_step(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events),
+                                                    str(SCRIPT), "--steps", str(steps), *DEVICE, "--save-dir",
+                                                    str(save)), marker, events, victim, at, f"seed {seed}")
+    assert code == 0, f"seed {seed}: exit {code}\n{output[-4000:]}"
     records = event_records(events)
     ends = [r for r in records if r["event"] == "recovery_end"]
     if ends:  # a kill that landed after the last step needs no recovery (the job had finished training)

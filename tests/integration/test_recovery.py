@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from tests.helpers import run, run_torchrun, start, wait_until
+from tests.helpers import draw_seed, run, run_torchrun, start, wait_until
 from tests.integration.recovery_support import (
     SCRIPT, STEPS, assert_recovered_equal, flat_state, launch_args, load_results, max_rel_diff, recoveries,
 )
@@ -72,7 +72,7 @@ def test_update_applied_before_a_failed_collective_is_undone(recovery, reference
 def test_random_sigkills_from_outside(references, tmp_path, marker):
     """SIGKILL a random rank of examples/train_dp.py at a random step, twice; the job still ends exactly as if
     nothing had happened. Set SWIFTRUN_TEST_SEED to replay a particular draw."""
-    seed = int(os.environ.get("SWIFTRUN_TEST_SEED", "0")) or random.randrange(1, 2**31)
+    seed = draw_seed()
     rng = random.Random(seed)
     # Kills are drawn in the first 40% of the run: the test sees a step only through the launcher's progress
     # events (every heartbeat), and train_dp runs ~110 steps/s on a quiet machine, so a kill drawn near the end

@@ -51,6 +51,8 @@ _METHODS = ("_run_epoch", "get_batch_samples", "_load_rng_state", "add_callback"
 _NOT_COPIED = frozenset({"is_local_process_zero", "is_world_process_zero", "stateful_callbacks"})
 # passed as resume_from_checkpoint to re-enter an epoch at a step: the Trainer's resume path with no file to read
 _POSITIONED = "<positioned by a swiftrun recovery>"
+# the way out a refusal offers
+_OTHERWISE = "or train under swiftrun without recoverable(): a failure then restarts every worker (--max-restarts)"
 
 
 class UnsupportedTrainer(TypeError):
@@ -88,10 +90,8 @@ def _check(trainer: Any) -> None:
     version = getattr(transformers, "__version__", "?")
     major = version.split(".", 1)[0]
     if major.isdigit() and int(major) < 5:
-        raise UnsupportedTrainer(
-            f"swiftrun.hf drives the Trainer loop of transformers 5.x (5.23.0 tested); transformers {version} "
-            "has another. Upgrade transformers, or train under swiftrun without recoverable(): a failure then "
-            "restarts every worker (--max-restarts)")
+        raise UnsupportedTrainer(f"swiftrun.hf drives the Trainer loop of transformers 5.x (5.23.0 tested); "
+                                 f"transformers {version} has another. Upgrade transformers, {_OTHERWISE}")
     if not isinstance(trainer, transformers.Trainer):
         raise UnsupportedTrainer(f"swiftrun.hf.recoverable() takes a transformers.Trainer, not {type(trainer)!r}")
     missing = [name for name in _METHODS if not callable(getattr(trainer, name, None))]
@@ -99,10 +99,8 @@ def _check(trainer: Any) -> None:
         params = inspect.signature(trainer._run_epoch).parameters
         missing = [f"_run_epoch({name}=...)" for name in _EPOCH_PARAMETERS if name not in params]
     if missing:
-        raise UnsupportedTrainer(
-            f"swiftrun.hf drives the Trainer loop of transformers 5.x; transformers {version} lacks "
-            f"{', '.join(missing)}. Use a transformers release >= 5.0, or train under swiftrun without "
-            "recoverable(): a failure then restarts every worker (--max-restarts)")
+        raise UnsupportedTrainer(f"swiftrun.hf drives the Trainer loop of transformers 5.x; transformers {version} "
+                                 f"lacks {', '.join(missing)}. Use a transformers release >= 5.0, {_OTHERWISE}")
     if getattr(trainer.args, "gradient_accumulation_steps", 1) < 1:
         raise UnsupportedTrainer("gradient_accumulation_steps must be at least 1")
 

@@ -38,23 +38,27 @@ _FRAMEWORK_WRAPPERS = {
 }
 
 
+def _package(obj: Any) -> str:
+    """The top-level package ``obj``'s class comes from ("accelerate", "lightning"...)."""
+    return type(obj).__module__.split(".", 1)[0]
+
+
 def _framework_inner(obj: Any) -> Any | None:
     """The object one framework wrapper holds, or None when ``obj`` is not one."""
     known = _FRAMEWORK_WRAPPERS.get(type(obj).__name__)
-    if known is None or type(obj).__module__.split(".", 1)[0] not in known[0]:
+    if known is None or _package(obj) not in known[0]:
         return None
     return getattr(obj, known[1], None)
 
 
 def _is_accelerate(obj: Any) -> bool:
-    return type(obj).__module__.split(".", 1)[0] in _ACCELERATE and _framework_inner(obj) is not None
+    return _package(obj) in _ACCELERATE and _framework_inner(obj) is not None
 
 
 def _accelerators() -> list[Any]:
     """The Accelerators the script holds (its prepare()d objects do not point back at theirs), found where the
     script keeps its training state (reachable_objects)."""
-    return [o for o in reachable_objects() if type(o).__name__ == "Accelerator"
-            and type(o).__module__.split(".", 1)[0] in _ACCELERATE]
+    return [o for o in reachable_objects() if type(o).__name__ == "Accelerator" and _package(o) in _ACCELERATE]
 
 
 def unwrap_framework(obj: Any) -> Any:
