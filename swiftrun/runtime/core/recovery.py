@@ -413,21 +413,24 @@ class Recovery:
     def own_streams_for(self, step: int) -> dict[str, Any] | None:
         """This rank's own streams as of ``step``'s start, if it has them: its snapshot of that step, its backup
         (a replacement), or its live streams when it stands right before that step."""
-        # a snapshot of that step exists only if this process began it, and holds the streams it began with: its
-        # own even where the step then wrote state no snapshot covers (an invalid rank, an HSDP survivor whose
-        # step an all-gather tainted), so validity is not asked here; it was, and such a survivor's streams were
-        # then "backed up nowhere" (a warning, and the rest of the run not the failure-free one)
+        # Streams are not state a replica hands over: whether this rank's state is valid (it is not while it
+        # receives its replica's, which is when a recovery asks for its streams) says nothing about them. Each
+        # source below holds this process's own streams: a snapshot exists only for a step it began, an update
+        # backup only for an update it ran, and its live streams are asked for only between steps. Validity was
+        # asked here once, and a survivor receiving its replica's state (after its update, or between steps) had
+        # its streams "backed up nowhere": a warning, and the rest of the run not the failure-free one (CI saw it
+        # in test_hsdp's random-moment test)
         snap = self.txn.rng_for(step)
         if snap is not None:
             return snap
         if step in self.stream_backups:
             return self.stream_backups[step]
         update = self._update_streams
-        if self.valid and update is not None and update[0] == step and not self._draws_after_update:
+        if update is not None and update[0] == step and not self._draws_after_update:
             # a survivor stopped after its update, before the step's end (a partial rank that receives its
             # replica's state): its streams as of the next step are the ones it backed up before the update
             return update[1]
-        if not self.partial and self.completed == step - 1 and not self.in_step and (self.valid or step == 0):
+        if not self.partial and self.completed == step - 1 and not self.in_step:
             # between steps the live streams are the next step's; a fresh replacement's before step 0 are too
             # (it ran the script from the top as the first process of its rank did)
             return rng_state()
