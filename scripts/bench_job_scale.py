@@ -87,7 +87,7 @@ def measure(ranks: int, per_node: int) -> dict[str, float]:
         return {"register": register_s, "failure": failure_s, "recovery": recovery_s, "snapshot": float("nan"),
                 "render": float("nan")}
     snapshot_s, snap = timed(lambda: view.job_snapshot(
-        job, config, 4.0, started_at=0.0, notes=(), event_log=None, steps_per_s=None,
+        job, config, 4.0, started_at=0.0, notes=(), event_log=None, throughput=view.Throughput(),
         local_rank=lambda r: r % per_node, nodes=view.node_views(table, job, per_node, 4.0)))
 
     def draw() -> None:

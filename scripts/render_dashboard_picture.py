@@ -75,6 +75,8 @@ def synthetic_snapshot() -> JobSnapshot:
         uptime=12.4,
         ranks=ranks,
         steps_per_s=49.50,
+        # steps/s over the last seconds, the last one cut short by the kill: the header's sparkline
+        rate_history=(48.0, 50.0, 50.0, 49.0, 51.0, 50.0, 50.0, 49.0, 50.0, 51.0, 50.0, 17.0),
         failures=1,
         time_lost=0.0,  # counted when the recovery ends
         recovery=recovery,

@@ -141,6 +141,7 @@ class JobSnapshot:
     uptime: float  # seconds since the job started
     ranks: tuple[RankView, ...]
     steps_per_s: float | None = None
+    rate_history: tuple[float, ...] = ()  # steps/s per second, oldest first: the header's sparkline
     samples_per_s: float | None = None  # from a reported "samples_per_s" or "tokens_per_s" metric
     failures: int = 0
     time_lost: float = 0.0  # seconds spent in recoveries and restarts

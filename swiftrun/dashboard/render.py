@@ -154,6 +154,8 @@ def _header(snapshot: JobSnapshot) -> Panel:
     )
 
     figures = Text(f"{_fmt_rate(snapshot.steps_per_s)} steps/s", no_wrap=True, overflow="ellipsis")
+    if len(snapshot.rate_history) >= 2:
+        figures.append(f" {sparkline(snapshot.rate_history)}", style="cyan")
     if snapshot.samples_per_s is not None:
         figures.append(f"  ·  {_fmt_rate(snapshot.samples_per_s)} {throughput_unit(snapshot)}")
     failures = "1 failure" if snapshot.failures == 1 else f"{snapshot.failures} failures"
@@ -166,6 +168,17 @@ def _header(snapshot: JobSnapshot) -> Panel:
     if snapshot.event_log:
         figures.append(f"  ·  log {snapshot.event_log}", style="dim")
     return Panel(Group(identity, figures), title="swiftrun", title_align="left", box=box.ROUNDED)
+
+
+SPARK_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: tuple[float, ...]) -> str:
+    """One bar per value, scaled to the largest: a recovery shows as a dip to the lowest bar."""
+    top = max(values)
+    if top <= 0:
+        return SPARK_BARS[0] * len(values)
+    return "".join(SPARK_BARS[min(len(SPARK_BARS) - 1, int(v / top * (len(SPARK_BARS) - 1) + 0.5))] for v in values)
 
 
 def throughput_unit(snapshot: JobSnapshot) -> str:

@@ -61,10 +61,11 @@ class Agent:
         self.notes: collections.deque[str] = collections.deque(maxlen=8)
         self.exit_code: int | None = None
         self._last_snapshot = 0.0
-        self._progress: collections.deque[tuple[float, int]] = collections.deque(maxlen=50)
+        self.throughput = view.Throughput()
         self._last_progress_step = -1
         self._last_progress_record = 0.0
-        self._pending_progress: protocol.Status | None = None  # newest step not yet in the event log
+        # rank 0's newest step not yet in the event log, with when it came (written with that time at the end)
+        self._pending_progress: tuple[float, protocol.Status] | None = None
         self._run_dir = Path(tempfile.mkdtemp(prefix="swiftrun-"))  # 0700: only this user reaches the socket
         if len(f"{self._run_dir}/ctl") > getattr(zmq, "IPC_PATH_MAX_LEN", 107):
             # a unix socket path has a hard length limit: a long $TMPDIR must not break the launcher
@@ -266,7 +267,7 @@ class Agent:
                     self.zygote.idle()
                 self._execute(self.job.on_status(slot_id, now, msg.step, msg.loss, msg.step_time, msg.metrics))
                 if slot.rank == 0 and msg.step != self._last_progress_step:
-                    self._progress.append((now, msg.step))
+                    self.throughput.add(now, msg.step)
                     self._last_progress_step = msg.step
                     self._record_progress(now, msg)
             elif isinstance(msg, protocol.Event):
@@ -287,20 +288,13 @@ class Agent:
 
     def _record_progress(self, now: float, msg: protocol.Status) -> None:
         """A sampled ``progress`` event (at most PROGRESS_PERIOD apart) for the report's timeline."""
-        self._pending_progress = msg
+        self._pending_progress = (now, msg)
         if now - self._last_progress_record < PROGRESS_PERIOD:
             return
         self._pending_progress = None
         self._last_progress_record = now
         self.event_log.write(EventName.PROGRESS, at=now, step=msg.step, loss=msg.loss, step_time=msg.step_time,
-                             steps_per_s=self._steps_per_s())
-
-    def _steps_per_s(self) -> float | None:
-        """Rank 0's recent throughput, over the last steps it reported."""
-        if len(self._progress) < 2:
-            return None
-        (t_a, s_a), (t_b, s_b) = self._progress[0], self._progress[-1]
-        return (s_b - s_a) / (t_b - t_a) if t_b > t_a else None
+                             steps_per_s=self.throughput.steps_per_s())
 
     def _on_hello(self, router: zmq.Socket, identity: bytes, msg: protocol.Hello, now: float) -> None:
         assert self.job is not None
@@ -577,7 +571,7 @@ class Agent:
     def snapshot(self, now: float) -> JobSnapshot:
         assert isinstance(self.job, Job)  # a node agent publishes no snapshot of its own (NodeAgent._publish)
         return view.job_snapshot(self.job, self.config, now, started_at=self.t0, notes=tuple(self.notes),
-                                 event_log=str(self.event_log_path), steps_per_s=self._steps_per_s(),
+                                 event_log=str(self.event_log_path), throughput=self.throughput,
                                  local_rank=self._local)
 
     # ------------------------------------------------------------------ teardown
@@ -614,7 +608,7 @@ class Agent:
             now = time.monotonic()
             if self._pending_progress is not None:
                 self._last_progress_record = 0.0
-                self._record_progress(now, self._pending_progress)
+                self._record_progress(*self._pending_progress)  # stamped when it came, not at teardown
             self._publish(now, force=True)
             self.event_log.write(EventName.JOB_END, outcome="succeeded" if self.exit_code == 0 else "failed",
                                  exit_code=self.exit_code, duration=now - self.t0, failures=len(self.job.failures),

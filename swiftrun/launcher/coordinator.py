@@ -524,7 +524,7 @@ class Coordinator:
         common = dict(started_at=self.t0, notes=tuple(self.notes), event_log=str(self.event_log.path))
         if self.job is None:
             return view.waiting_snapshot(self.config, now, nodes=nodes, **common)
-        return view.job_snapshot(self.job, self.config, now, steps_per_s=self.throughput.steps_per_s(),
+        return view.job_snapshot(self.job, self.config, now, throughput=self.throughput,
                                  local_rank=lambda rank: rank % self.config.nproc_per_node, nodes=nodes, **common)
 
     def _publish(self, now: float, force: bool = False) -> None:

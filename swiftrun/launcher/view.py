@@ -27,10 +27,14 @@ from swiftrun.snapshot import (
 
 
 class Throughput:
-    """Rank 0's recent steps per second, over the last steps it reported."""
+    """Rank 0's recent steps per second, over the last steps it reported, and its history for the dashboard's
+    sparkline: one rate per ``period`` (sampled when a snapshot is built, so a stall reads as zero)."""
 
-    def __init__(self, window: int = 50) -> None:
+    def __init__(self, window: int = 50, history: int = 16, period: float = 1.0) -> None:
         self._points: collections.deque[tuple[float, int]] = collections.deque(maxlen=window)
+        self._history: collections.deque[float] = collections.deque(maxlen=history)
+        self._sampled: tuple[float, int] | None = None  # (when, rank 0's step) at the last history sample
+        self.period = period
 
     def add(self, now: float, step: int) -> None:
         if not self._points or self._points[-1][1] != step:
@@ -42,9 +46,21 @@ class Throughput:
         (t_a, s_a), (t_b, s_b) = self._points[0], self._points[-1]
         return (s_b - s_a) / (t_b - t_a) if t_b > t_a else None
 
+    def history(self, now: float) -> tuple[float, ...]:
+        """Steps per second over each of the last periods, oldest first (a redone step counts as none)."""
+        if self._points:
+            step = self._points[-1][1]
+            if self._sampled is None:
+                self._sampled = (now, step)
+            elif now - self._sampled[0] >= self.period:
+                since, before = self._sampled
+                self._history.append(max(0.0, (step - before) / (now - since)))
+                self._sampled = (now, step)
+        return tuple(self._history)
+
 
 def job_snapshot(job: Job, config: LaunchConfig, now: float, *, started_at: float, notes: tuple[str, ...],
-                 event_log: str | None, steps_per_s: float | None, local_rank: Callable[[int], int],
+                 event_log: str | None, throughput: Throughput, local_rank: Callable[[int], int],
                  nodes: tuple[NodeView, ...] = ()) -> JobSnapshot:
     multinode = bool(nodes)
     ranks = []
@@ -64,7 +80,8 @@ def job_snapshot(job: Job, config: LaunchConfig, now: float, *, started_at: floa
     return JobSnapshot(
         script=config.entrypoint.target, world_size=config.world_size, nnodes=config.nnodes[0],
         generation=job.generation, state=job.state, uptime=now - started_at, ranks=tuple(ranks),
-        steps_per_s=steps_per_s, samples_per_s=samples, failures=len(job.failures), time_lost=job.time_lost,
+        steps_per_s=throughput.steps_per_s(), rate_history=throughput.history(now), samples_per_s=samples,
+        failures=len(job.failures), time_lost=job.time_lost,
         recovery=_recovery_view(job), events=notes, event_log=event_log, nodes=nodes,
     )
 

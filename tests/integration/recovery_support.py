@@ -49,6 +49,15 @@ def recoveries(events: Path) -> list[dict]:
     return [r for r in records if r["event"] == "recovery_end"]
 
 
+def assert_timeline_ends_when_training_did(events: Path) -> None:
+    """The report's last progress point is stamped when rank 0's last step came, not when the launcher wrote it at
+    teardown (a plot then showed training slowing to a crawl at its very end)."""
+    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    progress = [r["t"] for r in records if r["event"] == "progress"]
+    exited = [r["t"] for r in records if r["event"] == "worker_state" and r["rank"] == 0 and r["state"] == "exited"]
+    assert progress and exited and max(progress) <= exited[-1], (progress[-3:], exited)
+
+
 def assert_recovered_equal(save: Path, reference: Path, world: int, events: Path) -> None:
     results = [flat_state(s) for s in load_results(save, world)]
     for r, result in enumerate(results[1:], start=1):
@@ -57,6 +66,7 @@ def assert_recovered_equal(save: Path, reference: Path, world: int, events: Path
     expected = flat_state(load_results(reference, 1)[0])
     ended = recoveries(events)
     assert ended and ended[-1]["outcome"] == "recovered", ended
+    assert_timeline_ends_when_training_did(events)
     # an undo restores the copy taken before the update: bitwise, unless the recovery said it inverted instead
     inexact = any(rec.get("mode") == "undo" and rec.get("inexact") for rec in ended)
     diff = max_rel_diff(results[0], expected)

@@ -10,7 +10,8 @@ import pytest
 from rich.console import Console
 
 from swiftrun.dashboard.live import Dashboard, PlainReporter, make_reporter, rank_ranges
-from swiftrun.dashboard.render import notable_ranks, render
+from swiftrun.dashboard.render import notable_ranks, render, sparkline
+from swiftrun.launcher.view import Throughput
 from swiftrun.snapshot import (
     JobSnapshot,
     JobState,
@@ -167,6 +168,48 @@ def test_folded_view_lists_finishing_ranks_after_the_alarming_ones() -> None:
 def test_tokens_per_second_is_labelled_as_tokens() -> None:
     ranks = [dataclasses.replace(healthy_rank(0), metrics={"tokens_per_s": 9000.0})]
     assert "9,000 tokens/s" in rendered(snapshot(ranks, samples_per_s=9000.0))
+
+
+def test_the_header_draws_the_recent_throughput_as_a_sparkline_a_recovery_as_a_dip() -> None:
+    ranks = [healthy_rank(rank) for rank in range(3)]
+    text = rendered(snapshot(ranks, rate_history=(8.0, 8.0, 0.0, 0.0, 4.0, 8.0), failures=1, time_lost=2.0))
+    assert "8.25 steps/s ██▁▁▅█" in text
+    assert "8.25 steps/s  ·  0 failures" in rendered(snapshot(ranks, rate_history=(8.0,)))  # one sample: no bars
+
+
+def test_the_sparkline_header_stays_readable_in_80_columns() -> None:
+    console = Console(width=80, height=HEIGHT, force_terminal=True, color_system=None, record=True,
+                      file=io.StringIO())
+    history = tuple(float(v) for v in (8, 8, 8, 7, 0, 0, 0, 3, 6, 8, 8, 8, 8, 8, 8, 8))
+    console.print(render(snapshot([healthy_rank(rank) for rank in range(4)], rate_history=history, failures=1,
+                                  time_lost=2.4)))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if "steps/s" in line)
+    assert f"8.25 steps/s {sparkline(history)}  ·  1 failure, 2.40 s lost" in header
+
+
+def test_sparkline_scales_to_the_largest_value_and_draws_a_stall_flat() -> None:
+    assert sparkline((1.0, 2.0, 4.0)) == "▃▅█"
+    assert sparkline((0.0, 0.0)) == "▁▁"
+
+
+def test_throughput_history_is_one_rate_per_period_and_a_stall_reads_as_zero() -> None:
+    rate = Throughput(history=4, period=1.0)
+    assert rate.history(0.0) == ()  # nothing reported yet
+    rate.add(0.0, 0)
+    assert rate.history(0.0) == ()  # the first sample only marks where counting starts
+    rate.add(0.5, 5)
+    assert rate.history(0.6) == ()  # not a period yet
+    rate.add(1.0, 10)
+    assert rate.history(1.0) == (10.0,)
+    assert rate.history(3.0) == (10.0, 0.0)  # two seconds without a step: a stall
+    rate.add(3.5, 9)  # a redone step: rank 0's step went back
+    assert rate.history(4.0) == (10.0, 0.0, 0.0)
+    for t, step in ((5.0, 20), (6.0, 30), (7.0, 40)):
+        rate.add(t, step)
+        rate.history(t)
+    assert rate.history(7.0) == (0.0, 11.0, 10.0, 10.0)  # the oldest fall off
 
 
 def test_mid_recovery_shows_finished_running_and_pending_phases() -> None:

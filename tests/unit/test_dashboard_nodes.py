@@ -224,7 +224,7 @@ def test_node_views_follow_a_node_lost_and_rejoined_through_its_recovery():
     job.on_node_joined(1, 3.0)
     assert states(3.0) == [(0, "live", "host-a", 0), (1, "rejoining", "host-s", 1)]
 
-    snap = view.job_snapshot(job, config, 3.0, started_at=0.0, notes=(), event_log=None, steps_per_s=None,
+    snap = view.job_snapshot(job, config, 3.0, started_at=0.0, notes=(), event_log=None, throughput=view.Throughput(),
                              local_rank=lambda r: r % 2, nodes=view.node_views(table, job, 2, 3.0))
     assert [(r.rank, r.node) for r in snap.ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
     assert snap.failures == 2 and snap.recovery is not None and snap.recovery.failed_ranks == (2, 3)
