@@ -146,6 +146,48 @@ def one_run(launcher: str, failed: bool, args: argparse.Namespace, scratch: B.Sc
     return combined
 
 
+def interleaved_runs(args: argparse.Namespace, launchers: list[str], scratch: B.Scratch
+                     ) -> tuple[dict[str, dict[str, list[B.Result]]], str | None]:
+    """``args.reps`` repetitions of a clean then a failed run per launcher (the launcher order alternating), each
+    printed as it ends; with ``--torchrun-method auto``, a torchrun restart that fails is measured as a rerun from
+    then on. Returns the runs by launcher and kind, and the note saying why the restart was given up, if it was."""
+    method = "restart" if args.torchrun_method == "auto" else args.torchrun_method
+    probe_note = None
+    results: dict[str, dict[str, list[B.Result]]] = {l: {"clean": [], "failed": []} for l in launchers}
+    for rep in range(args.reps):
+        order = launchers if rep % 2 == 0 else launchers[::-1]
+        clean_ms: dict = {}
+        for failed in (False, True):
+            for launcher in order:
+                res = one_run(launcher, failed, args, scratch, clean_ms, method)
+                if (launcher == "torchrun" and failed and method == "restart"
+                        and args.torchrun_method == "auto" and not res.ok):
+                    probe_note = (f"torchrun --max-restarts 1 restart path did not work here "
+                                  f"({res.extra.get('error')}; {res.wall:.1f} s spent); "
+                                  f"evidence: {res.extra.get('evidence')}")
+                    print(f"  {probe_note}\n  -> measuring torchrun as failed run + rerun from the checkpoint")
+                    method = "rerun"
+                    res = one_run(launcher, failed, args, scratch, clean_ms, method)
+                if not failed:
+                    clean_ms[launcher] = res.step_ms or 30.0
+                    if launcher == "torchrun":
+                        clean_ms["torchrun_wall"] = res.wall
+                results[launcher]["failed" if failed else "clean"].append(res)
+                detail = {k: v for k, v in res.extra.items() if k not in ("evidence",)}
+                status = "ok" if (res.rc == 0 and not res.timed_out) else f"rc={res.rc} timed_out={res.timed_out}"
+                print(f"  rep {rep + 1} {launcher:8s} {'failed' if failed else 'clean ':6s} "
+                      f"wall={res.wall:6.2f}s step_ms={B.fmt(res.step_ms, 1)} {status} "
+                      f"other_cpu={B.fmt(res.other_cores, 2)}cores {detail if detail else ''}", flush=True)
+                if res.rc != 0 or res.timed_out:
+                    print(B.tail(res.output, 12))
+    return results, probe_note
+
+
+def problem_runs(results: dict[str, dict[str, list[B.Result]]]) -> list[tuple[str, str, int]]:
+    return [(l, k, i) for l, d in results.items() for k, runs in d.items() for i, r in enumerate(runs)
+            if r.rc != 0 or r.timed_out or r.extra.get("error")]
+
+
 def main() -> None:
     args = parse_args()
     launchers = [x.strip() for x in args.launchers.split(",") if x.strip()]
@@ -153,36 +195,8 @@ def main() -> None:
     print(f"# {args.nproc} ranks, {args.steps} steps, SIGKILL rank {args.fail_rank} near step {args.fail_step}, "
           f"checkpoint every {args.ckpt_every}, {args.reps} repetition(s)")
     scratch = B.Scratch("lost", keep=args.keep)
-    method = "restart" if args.torchrun_method == "auto" else args.torchrun_method
-    probe_note = None
-    results: dict[str, dict[str, list[B.Result]]] = {l: {"clean": [], "failed": []} for l in launchers}
     try:
-        for rep in range(args.reps):
-            order = launchers if rep % 2 == 0 else launchers[::-1]
-            clean_ms: dict = {}
-            for failed in (False, True):
-                for launcher in order:
-                    res = one_run(launcher, failed, args, scratch, clean_ms, method)
-                    if (launcher == "torchrun" and failed and method == "restart"
-                            and args.torchrun_method == "auto" and not res.ok):
-                        probe_note = (f"torchrun --max-restarts 1 restart path did not work here "
-                                      f"({res.extra.get('error')}; {res.wall:.1f} s spent); "
-                                      f"evidence: {res.extra.get('evidence')}")
-                        print(f"  {probe_note}\n  -> measuring torchrun as failed run + rerun from the checkpoint")
-                        method = "rerun"
-                        res = one_run(launcher, failed, args, scratch, clean_ms, method)
-                    if not failed:
-                        clean_ms[launcher] = res.step_ms or 30.0
-                        if launcher == "torchrun":
-                            clean_ms["torchrun_wall"] = res.wall
-                    results[launcher]["failed" if failed else "clean"].append(res)
-                    detail = {k: v for k, v in res.extra.items() if k not in ("evidence",)}
-                    status = "ok" if (res.rc == 0 and not res.timed_out) else f"rc={res.rc} timed_out={res.timed_out}"
-                    print(f"  rep {rep + 1} {launcher:8s} {'failed' if failed else 'clean ':6s} "
-                          f"wall={res.wall:6.2f}s step_ms={B.fmt(res.step_ms, 1)} {status} "
-                          f"other_cpu={B.fmt(res.other_cores, 2)}cores {detail if detail else ''}", flush=True)
-                    if res.rc != 0 or res.timed_out:
-                        print(B.tail(res.output, 12))
+        results, probe_note = interleaved_runs(args, launchers, scratch)
     finally:
         scratch.close()
 
@@ -221,8 +235,7 @@ def main() -> None:
     print(f"CPU used by other processes during the runs (cores, of {os.cpu_count()}): {B.fmt_stat(others, 2)}")
     if probe_note:
         print(f"note: {probe_note}")
-    bad = [(l, k, i) for l in launchers for k in ("clean", "failed") for i, r in enumerate(results[l][k])
-           if r.rc != 0 or r.timed_out or r.extra.get("error")]
+    bad = problem_runs(results)
     if bad:
         print(f"WARNING: runs with problems: {bad}")
     B.write_json(args.json, {"args": vars(args), "machine": B.machine_line(), "probe": probe_note,

@@ -84,34 +84,17 @@ def _wall(event: dict) -> float:
 
 def measure_rank_loss(args: argparse.Namespace, scratch: B.Scratch) -> dict:
     """bench_lost_time's runs: failure-free and one rank SIGKILLed, under swiftrun and torchrun, interleaved."""
-    bench = argparse.Namespace(nproc=args.nproc, steps=args.steps, fail_step=args.fail_step, fail_rank=1,
-                               ckpt_every=args.ckpt_every, optimizer="adam", swiftrun_kill="fault", swiftrun_args="",
-                               timeout=args.timeout, restart_timeout=None)
-    runs: dict[str, dict[str, list[B.Result]]] = {x: {"clean": [], "failed": []} for x in ("swiftrun", "torchrun")}
-    local_ms = []
     # torchrun's own --max-restarts path never recovered on this 2-core machine (it hangs: docs/BENCHMARKS.md
     # section 1), so its restart is the failed run until torchrun exits plus the same command run again
-    method = "rerun"
-    for rep in range(args.reps):
-        order = ("swiftrun", "torchrun") if rep % 2 == 0 else ("torchrun", "swiftrun")
-        clean_ms: dict = {}
-        for failed in (False, True):
-            for launcher in order:
-                res = L.one_run(launcher, failed, bench, scratch, clean_ms, method)
-                if not failed:
-                    clean_ms[launcher] = res.step_ms or 30.0
-                    if launcher == "torchrun":
-                        clean_ms["torchrun_wall"] = res.wall
-                if launcher == "swiftrun" and failed:
-                    log = sorted(scratch.root.glob("*-swiftrun-failed/events.jsonl"))[-1]
-                    local_ms.append(_phases_ms(B.read_events(log), LOCAL_PHASES))
-                ok = res.rc == 0 and not res.timed_out and not res.extra.get("error")
-                print(f"  rep {rep + 1} {launcher:8s} {'failed' if failed else 'clean ':6s} wall={res.wall:6.2f}s "
-                      f"step_ms={B.fmt(res.step_ms, 1)} {'ok' if ok else 'PROBLEM ' + str(res.extra.get('error'))}",
-                      flush=True)
-                if not ok:
-                    raise SystemExit(f"a measuring run failed; its output:\n{B.tail(res.output, 15)}")
-                runs[launcher]["failed" if failed else "clean"].append(res)
+    bench = argparse.Namespace(nproc=args.nproc, steps=args.steps, fail_step=args.fail_step, fail_rank=1,
+                               ckpt_every=args.ckpt_every, optimizer="adam", swiftrun_kill="fault", swiftrun_args="",
+                               timeout=args.timeout, restart_timeout=None, reps=args.reps, torchrun_method="rerun")
+    runs, _ = L.interleaved_runs(bench, ["swiftrun", "torchrun"], scratch)
+    bad = L.problem_runs(runs)
+    if bad:
+        raise SystemExit(f"measuring runs failed: {bad}")
+    local_ms = [_phases_ms(B.read_events(log), LOCAL_PHASES)
+                for log in sorted(scratch.root.glob("*-swiftrun-failed/events.jsonl"))]
 
     def lost(launcher: str) -> list[float]:
         return [f.wall - c.wall for c, f in zip(runs[launcher]["clean"], runs[launcher]["failed"])]
@@ -126,7 +109,7 @@ def measure_rank_loss(args: argparse.Namespace, scratch: B.Scratch) -> dict:
         "swift_rank_local_s": B.med(local_ms) / 1000,
         "torchrun_lost_s": B.med(lost("torchrun")),
         "torchrun_restart_s": B.med(x - r for x, r in zip(lost("torchrun"), redo)),
-        "torchrun_method": method,
+        "torchrun_method": "rerun",
         "swift_step_extra_s": (step["swiftrun"] - step["torchrun"]) / 1000,
         "step_ms": step,
     }
@@ -272,25 +255,23 @@ def results_table(results: dict[int, dict[str, G.Breakdown]]) -> str:
                     "torchft-like", "speed-up vs torchrun"], rows)
 
 
-def swift_node_cost_table(raw: dict, args: argparse.Namespace) -> str:
+def swift_node_cost_table(raw: dict, sizes: tuple[int, ...], job: G.Job, pub: G.Published) -> str:
     """What one node loss costs swiftrun at each size: what was measured here, and what grows with N."""
-    pub, rows = G.Published(), []
-    for n in args.sizes:
+    m, rows = measured_inputs(raw), []
+    for n in sizes:
         init, barrier = G.nccl_init_s(n, pub), G.barrier_s(n, pub)
-        copy = args.state_gb / pub.link_gb_per_s
-        here = max(0.0, raw["swift_node_lost_s"] - raw["swift_node_local_s"])
-        rows.append([f"{n:,}", f"{here:.1f}", f"{init:.1f}", f"{barrier:.2f}", f"{copy:.1f}", f"{args.step_s:g}",
-                     f"{here + init + barrier + copy + args.step_s:.1f}"])
+        here = max(0.0, m.swift_node_lost_s - m.swift_node_local_s)
+        total = G.swift_loss_s(G.Path.NODE, replace(job, gpus=n), pub, m)
+        rows.append([f"{n:,}", f"{here:.1f}", f"{init:.1f}", f"{barrier:.2f}",
+                     f"{job.state_gb_per_gpu / pub.link_gb_per_s:.1f}", f"{job.step_s:g}", f"{total:.1f}"])
     return B.table(["GPUs", "measured here (detect + recover) s", "NCCL init s", "store barrier s", "state copy s",
                     "step redone s", "total s"], rows)
 
 
-def model(raw: dict, args: argparse.Namespace) -> dict[int, dict[str, G.Breakdown]]:
-    pub, m = G.Published(), measured_inputs(raw)
-    job = G.Job(gpus=args.sizes[0], step_s=args.step_s, state_gb_per_gpu=args.state_gb,
-                replica_groups=args.replica_groups, failure_model=args.failure_model)
+def model(raw: dict, sizes: tuple[int, ...], job: G.Job, pub: G.Published) -> dict[int, dict[str, G.Breakdown]]:
+    m = measured_inputs(raw)
     out: dict[int, dict[str, G.Breakdown]] = {}
-    for n in args.sizes:
+    for n in sizes:
         with_spare, without = replace(job, gpus=n), replace(job, gpus=n, hot_spare=False)
         out[n] = {"swiftrun": G.breakdown(G.Method.SWIFTRUN, with_spare, pub, m),
                   "swiftrun, no spare": G.breakdown(G.Method.SWIFTRUN, without, pub, m),
@@ -341,11 +322,11 @@ def main() -> None:
                 replica_groups=args.replica_groups, failure_model=args.failure_model)
     print()
     print(inputs_table(raw, job, pub, origin))
-    results = model(raw, args)
+    results = model(raw, args.sizes, job, pub)
     print(f"\n# goodput by job size ({args.failure_model} failure rates; a hot spare node at hand unless 'no spare')")
     print(results_table(results))
     print("\n# one node loss under swiftrun (hot spare), what it is made of")
-    print(swift_node_cost_table(raw, args))
+    print(swift_node_cost_table(raw, args.sizes, job, pub))
     print("speed-up = total training time under torchrun+ckpt over swiftrun's for the same work (the Swift paper's "
           "end-to-end measure; it reports up to 1.16x); torchft-like skips the failed group's batches")
     if args.plot:

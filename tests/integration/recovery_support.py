@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from tests.helpers import EXAMPLES, swiftrun_cmd
+from tests.helpers import EXAMPLES, event_records, swiftrun_cmd
 
 STEPS = 12
 SCRIPT = str(EXAMPLES / "train_dp.py")
@@ -45,14 +44,13 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def recoveries(events: Path) -> list[dict]:
-    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-    return [r for r in records if r["event"] == "recovery_end"]
+    return [r for r in event_records(events) if r["event"] == "recovery_end"]
 
 
 def assert_timeline_ends_when_training_did(events: Path) -> None:
     """The report's last progress point is stamped when rank 0's last step came, not when the launcher wrote it at
     teardown (a plot then showed training slowing to a crawl at its very end)."""
-    records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    records = event_records(events)
     progress = [r["t"] for r in records if r["event"] == "progress"]
     exited = [r["t"] for r in records if r["event"] == "worker_state" and r["rank"] == 0 and r["state"] == "exited"]
     assert progress and exited and max(progress) <= exited[-1], (progress[-3:], exited)
