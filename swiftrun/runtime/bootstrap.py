@@ -192,9 +192,43 @@ def _placeholder_process_group(runtime: process.ProcessRuntime) -> None:
         real_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
         dist.init_process_group = real_init  # one placeholder only
         dist.distributed_c10d.init_process_group = real_init
+        _own_objects_on_the_placeholder()
 
     dist.init_process_group = init_process_group
     dist.distributed_c10d.init_process_group = init_process_group
+
+
+def _own_objects_on_the_placeholder() -> None:
+    """Object collectives on the fake group keep this rank's own objects.
+
+    The fake group leaves a receiving tensor as it was allocated, and ``broadcast_object_list`` sizes its buffer
+    from a received length: uninitialised memory, so a set-up that broadcasts an object (Lightning broadcasts its
+    log directory before the strategy's set-up) asked for exabytes and died. What the set-up would have received
+    is replaced by the real state when swiftrun.Run joins anyway."""
+    import torch.distributed as dist
+
+    def on_placeholder(group: object) -> bool:
+        try:
+            return dist.get_backend(group) == "fake"
+        except (RuntimeError, ValueError):
+            return False
+
+    real_broadcast, real_gather = dist.broadcast_object_list, dist.all_gather_object
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        if on_placeholder(group):
+            return None
+        return real_broadcast(object_list, src=src, group=group, device=device, group_src=group_src)
+
+    def all_gather_object(object_list, obj, group=None):
+        if on_placeholder(group):
+            object_list[:] = [obj] * len(object_list)
+            return None
+        return real_gather(object_list, obj, group=group)
+
+    for module in (dist, dist.distributed_c10d):
+        module.broadcast_object_list = broadcast_object_list
+        module.all_gather_object = all_gather_object
 
 
 def _user_traceback(exc: BaseException, target: str) -> str:

@@ -11,18 +11,15 @@ its loss is reported with the next log; the training state must still be bitwise
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers import (EXAMPLES, draw_seed, event_records, run, run_killing_at_step, swiftrun_cmd,
-                           torchrun_reference)
+from tests.helpers import EXAMPLES, draw_seed, event_records, run, run_killing_at_step, swiftrun_cmd
+from tests.integration import framework_support
+from tests.integration.framework_support import outcomes, reference_runs
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(EXAMPLES / "zoo"))
-from _common import differing_keys  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -35,25 +32,11 @@ LONG = ("--samples", "400")  # 25 updates per epoch: room for a kill from outsid
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache: dict[tuple[str, ...], Path] = {}
-
-    def get(extra: tuple[str, ...] = ()) -> Path:
-        if extra not in cache:
-            cache[extra] = torchrun_reference(tmp_path_factory.mktemp("hf-ref"), SCRIPT, WORLD, extra)
-        return cache[extra]
-
-    return get
+    return reference_runs(tmp_path_factory, SCRIPT, WORLD)
 
 
 def differences(save: Path, reference: Path, ignore: tuple[str, ...] = ()) -> list[str]:
-    problems = []
-    for rank in range(WORLD):
-        got = torch.load(save / f"rank{rank}.pt", weights_only=True)
-        want = torch.load(reference / f"rank{rank}.pt", weights_only=True)
-        diff = [k for k in differing_keys(got, want) if k not in ignore]
-        if diff:
-            problems.append(f"rank {rank}: {diff[:6]}")
-    return problems
+    return framework_support.differences(save, reference, WORLD, ignore)
 
 
 def swiftrun_hf(tmp_path: Path, marker: str, *extra: str) -> tuple[Path, list[dict]]:
@@ -62,10 +45,6 @@ def swiftrun_hf(tmp_path: Path, marker: str, *extra: str) -> tuple[Path, list[di
                             "--save-dir", str(save)), marker, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n" + (proc.stdout + proc.stderr)[-4000:]
     return save, event_records(events)
-
-
-def outcomes(records: list[dict]) -> list[str]:
-    return [r["outcome"] for r in records if r["event"] == "recovery_end"]
 
 
 def cut_log_said(records: list[dict]) -> bool:

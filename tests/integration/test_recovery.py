@@ -29,7 +29,9 @@ CI_MATRIX = [
     pytest.param(2, "adamw", 0, "allreduce", "exception", marks=pytest.mark.extended),
     (4, "momentum", 0, "step", "sigkill"),
     pytest.param(4, "adam", 3, "after-step", "exit", marks=pytest.mark.extended),
-    (4, "nesterov", 2, "backward", "sigstop"),
+    # a hang (SIGSTOP) in a 4-rank job: extended, as hangs are recovered in place by test_zoo's and
+    # test_recovery_hardening's default tests (this was 25 s of CI's 25 minutes)
+    pytest.param(4, "nesterov", 2, "backward", "sigstop", marks=pytest.mark.extended),
     pytest.param(2, "adam", 1, "step", "segfault", marks=pytest.mark.extended),
 ]
 FULL_MATRIX = list(itertools.product(

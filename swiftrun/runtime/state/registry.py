@@ -44,11 +44,14 @@ def _package(obj: Any) -> str:
 
 
 def _framework_inner(obj: Any) -> Any | None:
-    """The object one framework wrapper holds, or None when ``obj`` is not one."""
-    known = _FRAMEWORK_WRAPPERS.get(type(obj).__name__)
-    if known is None or _package(obj) not in known[0]:
-        return None
-    return getattr(obj, known[1], None)
+    """The object one framework wrapper holds, or None when ``obj`` is not one. The wrapper's class may be a
+    subclass made on the fly (Lightning's trainer makes ``LightningAdamW`` from ``LightningOptimizer`` and the
+    optimizer's class), so its bases are looked at too."""
+    for cls in type(obj).__mro__:
+        known = _FRAMEWORK_WRAPPERS.get(cls.__name__)
+        if known is not None and cls.__module__.split(".", 1)[0] in known[0]:
+            return getattr(obj, known[1], None)
+    return None
 
 
 def _is_accelerate(obj: Any) -> bool:
