@@ -80,10 +80,10 @@ class Result:
 
 
 def parse_step_ms(text: str) -> float | None:
-    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``, ``hsdp: ...``, ``hf_trainer: ...``)
-    line."""
+    """Rank 0's last ``train_dp: steps=N step_ms=X`` (or ``train_pp: ...``, ``hsdp: ...``, ``hf_trainer: ...``,
+    ``lightning_ddp: ...``) line."""
     for line in reversed(text.splitlines()):
-        names = ("train_dp", "train_pp", "hsdp", "hf_trainer")
+        names = ("train_dp", "train_pp", "hsdp", "hf_trainer", "lightning_ddp")
         if any(f"{name}: steps=" in line for name in names) and "step_ms=" in line:
             try:
                 return float(line.rsplit("step_ms=", 1)[1].split()[0])

@@ -27,8 +27,9 @@ SCRIPT = B.REPO / "examples" / "zoo" / "hf_trainer.py"
 WARMUP = 10
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(description: str | None = __doc__) -> argparse.Namespace:
+    """The arguments, shared with scripts/bench_lightning.py (its example script takes the same ones)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--recoveries", type=int, default=3)
@@ -46,20 +47,24 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def main() -> None:
-    args = parse_args()
-    print(f"# bench_hf: {B.machine_line()}")
-    print(f"# 2 ranks, HF Trainer, hidden {args.hidden}, features {args.features}, batch {args.batch} x 2 "
+def bench(args: argparse.Namespace, script: Path, title: str) -> None:
+    """Time ``script`` (examples/zoo/hf_trainer.py or lightning_ddp.py) under both launchers, then recover it."""
+    print(f"# bench_{script.stem}: {B.machine_line()}")
+    print(f"# 2 ranks, {title}, hidden {args.hidden}, features {args.features}, batch {args.batch} x 2 "
           f"micro-batches, {args.steps} updates, {args.reps} repetition(s)")
     # one epoch holds every update: 2 ranks x batch x 2 micro-batches per update
     samples = 2 * args.batch * 2 * args.steps
 
-    def script(save: Path) -> list[str]:
+    def script_args(save: Path) -> list[str]:
         return ["--epochs", "1", "--samples", str(samples), "--batch", str(args.batch), "--hidden", str(args.hidden),
                 "--features", str(args.features), "--time-steps", str(WARMUP), "--save-dir", str(save)]
 
-    B.launchers_then_recoveries(args, 2, SCRIPT, script, "update ms",
+    B.launchers_then_recoveries(args, 2, script, script_args, "update ms",
                                 f"in the first forward of update {args.kill_step}")
+
+
+def main() -> None:
+    bench(parse_args(), SCRIPT, "HF Trainer")
 
 
 if __name__ == "__main__":

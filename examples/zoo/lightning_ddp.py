@@ -12,7 +12,9 @@ epoch's end) and a CSV logger, two epochs.
 
 The only swiftrun line is the strategy: ``swiftrun.lightning.SwiftDDPStrategy`` takes ``DDPStrategy``'s arguments
 (``strategy="swift_ddp"`` works too once ``swiftrun.lightning`` is imported). Under torchrun or as one process it is
-Lightning's own ``DDPStrategy``. ``--plain-ddp`` runs with ``DDPStrategy`` itself, to compare.
+Lightning's own ``DDPStrategy``. ``--plain-ddp`` runs with ``DDPStrategy`` itself, to compare; ``--manual`` writes
+the update out in ``training_step`` (manual optimization, one update per batch); ``--validate`` adds a validation
+loop every 4 training batches, inside the epoch (so inside the step of the window it follows).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def module_class() -> type:
     import lightning as L
 
     class Regression(L.LightningModule):
-        def __init__(self, features: int, hidden: int, targets: int, lr: float, total_steps: int) -> None:
+        def __init__(self, features: int, hidden: int, targets: int, lr: float, total_steps: int,
+                     manual: bool) -> None:
             super().__init__()
             self.lr, self.total_steps = lr, total_steps
+            self.automatic_optimization = not manual
             self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2),
                                      nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.2),
                                      nn.Linear(hidden, targets))
@@ -57,10 +61,21 @@ def module_class() -> type:
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x), y)
             self.log("train_loss", loss, sync_dist=True)  # an all-reduce inside the step, as many scripts do
+            if not self.automatic_optimization:  # the same update, written out
+                optimizer, schedule = self.optimizers(), self.lr_schedulers()
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(optimizer, gradient_clip_val=1.0)
+                optimizer.step()
+                schedule.step()
             return loss
 
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            if not self.trainer.fit_loop._should_accumulate():  # noqa: SLF001 - the update's last micro-batch
+            if not self.automatic_optimization or not self.trainer.fit_loop._should_accumulate():  # noqa: SLF001
                 self.losses.append(float(self.trainer.callback_metrics["train_loss"]))  # every rank's mean
                 self.times.append(time.perf_counter())
 
@@ -90,6 +105,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plain-ddp", action="store_true", help="Lightning's DDPStrategy instead of swiftrun's")
+    parser.add_argument("--validate", action="store_true",
+                        help="validate every 4 training batches (inside the epoch), logging val_loss with sync_dist")
+    parser.add_argument("--manual", action="store_true",
+                        help="manual optimization (training_step steps the optimizer; no accumulation)")
     parser.add_argument("--time-steps", type=int, default=0, metavar="WARMUP",
                         help="print rank 0's mean update time after WARMUP updates (scripts/bench_lightning.py)")
     parser.add_argument("--save-dir", required=True)
@@ -102,19 +121,24 @@ def main() -> None:
 
     L.seed_everything(args.seed, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    updates_per_epoch = -(-(-(-args.samples // world) // args.batch) // args.accumulation)
-    model = module_class()(args.features, args.hidden, 4, args.lr, updates_per_epoch * args.epochs)
+    accumulation = 1 if args.manual else args.accumulation
+    updates_per_epoch = -(-(-(-args.samples // world) // args.batch) // accumulation)
+    model = module_class()(args.features, args.hidden, 4, args.lr, updates_per_epoch * args.epochs, args.manual)
     strategy_class = DDPStrategy if args.plain_ddp else swiftrun.lightning.SwiftDDPStrategy
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
         strategy=strategy_class(process_group_backend="gloo"), max_epochs=args.epochs,
-        accumulate_grad_batches=args.accumulation, gradient_clip_val=1.0, log_every_n_steps=1,
+        accumulate_grad_batches=accumulation, gradient_clip_val=None if args.manual else 1.0, log_every_n_steps=1,
         default_root_dir=os.path.join(args.save_dir, "lightning"), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
+        enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
+        val_check_interval=4 if args.validate else None, limit_val_batches=None if args.validate else 0)
     loader = torch.utils.data.DataLoader(Samples(args.samples, args.features, 4, args.seed), batch_size=args.batch,
                                          shuffle=True)
-    trainer.fit(model, train_dataloaders=loader)
+    validation = None
+    if args.validate:
+        validation = torch.utils.data.DataLoader(Samples(32, args.features, 4, args.seed + 1), batch_size=args.batch)
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=validation)
 
     rank = trainer.global_rank
     if args.time_steps and rank == 0:

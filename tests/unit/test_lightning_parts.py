@@ -96,3 +96,17 @@ def test_a_lightning_whose_loops_are_not_known_is_refused_with_the_way_out(versi
 def test_the_tested_lightning_is_accepted():
     check_version("2.6.6")
     check_version("2.2.0")
+
+
+def test_the_strategy_is_named_swift_ddp_and_is_a_ddp_strategy_with_its_arguments():
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import swiftrun.lightning
+
+    trainer = L.Trainer(strategy="swift_ddp", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    assert isinstance(trainer.strategy, swiftrun.lightning.SwiftDDPStrategy)
+    assert isinstance(trainer.strategy, DDPStrategy)  # what Lightning's compile and DDP checks ask
+    strategy = swiftrun.lightning.SwiftDDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
+    assert strategy.process_group_backend == "gloo" and strategy._ddp_kwargs == {"find_unused_parameters": True}

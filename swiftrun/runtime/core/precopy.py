@@ -81,7 +81,8 @@ class CopyPolicy:
 
     ``setting`` is ``--exact-undo`` (True: always), ``--no-exact-undo`` (False: never) or the default (None):
     copy wherever the job may undo. Known at the start: a strategy that may undo a completed step (DDP-broadcast
-    buffers, a pipeline's replay) or ``--recovery undo``. Seen while the script runs: a collective issued after
+    buffers, a pipeline's replay), ``--recovery undo`` or a framework integration that knows its steps issue
+    collectives after the update (:meth:`expect_undo`). Seen while the script runs: a collective issued after
     ``optimizer.step()`` inside the step, from which every later step is copied (that first step has no copy:
     copying every job's first step speculatively would cost a large model its host memory for nothing). By
     default a copy that would take more than half the host memory left is declined, loudly: an undo then inverts.
@@ -99,6 +100,12 @@ class CopyPolicy:
         if self.setting is not None:
             return self.setting
         return self.reason is not None and self.declined is None
+
+    def expect_undo(self, why: str) -> None:
+        """What drives the loop knows before the first step that its steps issue collectives after the update (a
+        framework's validation after a window's update): copy from the first step on."""
+        if self.reason is None:
+            self.reason = why
 
     def saw_collective_after_update(self, name: str, step: int) -> bool:
         """True the first time: from the next step on, updates are copied."""

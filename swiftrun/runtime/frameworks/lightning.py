@@ -47,6 +47,10 @@ from swiftrun.runtime.worker import process
 from swiftrun.runtime.worker.process import warn
 
 TESTED = "2.6.6"
+# the counters' names (attribute paths from the trainer's fit loop)
+_EPOCH = "fit_loop.epoch_progress"
+_BATCH = "fit_loop.epoch_loop.batch_progress"
+_STEPPED = "fit_loop.epoch_loop._batches_that_stepped"
 # the way out a refusal offers
 _OTHERWISE = ("or use Lightning's own DDPStrategy under swiftrun: a failure then restarts every worker "
               "(--max-restarts)")
@@ -81,7 +85,11 @@ class Driver:
         self.joining_rng: dict[str, Any] | None = None  # a replacement's streams, set again when its first step begins
         self.sampler: ResumableDistributedSampler | None = None
         self.position: tuple[int, int] | None = None  # (epoch, batches into it) a replacement starts at
+        # where a replacement takes its received counters: its first window, or its epoch's start (streams
+        # first, or counters and streams when training ended with the replica's last window)
+        self.settle_at = "first window"
         self.fetch_draws = False
+        self.modes: list[bool] | None = None  # every module's train/eval mode as the window began
         self.began = 0.0
 
     @property
@@ -108,6 +116,10 @@ class Driver:
         if rec is None:
             return
         self.generation = rec.generation
+        if _validates(trainer):
+            # a window's step ends with the validation Lightning runs after it, whose collectives follow the update
+            # and which zeroes the gradients first: a failure there is undone from a copy, never by inverting
+            rec.copies.expect_undo("Lightning validates after a window's update, inside the step")
         loop, fit_loop = self.loop, trainer.fit_loop
         for name in ("advance", "on_advance_end"):
             setattr(loop, name, getattr(self, f"_{name}")(getattr(loop, name)))
@@ -155,15 +167,24 @@ class Driver:
         progress = self.progress.pending
         if progress is None:
             raise RecoveryError("the replacement received no Lightning progress from its replica (swiftrun.lightning)")
-        epoch_sd = progress["counters"]["fit_loop.epoch_progress"]
-        batches = progress["counters"]["fit_loop.epoch_loop.batch_progress"]["current"]["ready"]
+        counters = progress["counters"]
+        epoch_sd = counters[_EPOCH]
         epoch = epoch_sd["current"]["processed"]
-        if _ended_epoch(progress):
-            # the replica was between an epoch's last window and the next epoch: the streams it sent are its
-            # live ones, before the next epoch's iterator drew its seed from them, so they are set before this
-            # rank's iterator of that epoch is made (its own set-up drew from them too)
+        batches = counters[_BATCH]["current"]["ready"]
+        self.settle_at = "first window"
+        if progress["ended"] and self._no_window_after(counters):
+            # training ended with the replica's last window: this rank runs what Lightning runs after it, that
+            # epoch's end (rank 0 saves the last checkpoint there), with the received counters and streams, and
+            # with the collectives skipped (the others ran them)
+            self.settle_at = "epoch start"
+        elif _ended_epoch(progress):
+            # the replica was between an epoch's last window and the next epoch: the streams it sent are its live
+            # ones, before the next epoch's iterator drew its seed from them, so they are set before this rank's
+            # iterator of that epoch is made (its own set-up drew from them too)
             epoch, batches = epoch + 1, 0
-            self.loop.on_run_start = self._streams_first(self.loop.on_run_start)
+            self.settle_at = "streams at epoch start"
+        if self.settle_at != "first window":
+            self.loop.on_run_start = self._settle_at_epoch_start(self.loop.on_run_start)
         self.position = (epoch, batches)
         fit_progress = self.trainer.fit_loop.epoch_progress
         fit_progress.load_state_dict(copy.deepcopy(epoch_sd))
@@ -172,14 +193,34 @@ class Driver:
             tracker.ready = tracker.started = tracker.processed = tracker.completed = (
                 tracker.completed + (epoch - epoch_sd["current"]["processed"]))
 
-    def _streams_first(self, on_run_start: Callable[[Any], None]) -> Callable[[Any], None]:
-        def on_run_start_with_streams(data_fetcher: Any) -> None:
-            if self.joining_rng is not None:
-                set_rng_state(self.joining_rng)
-                self.joining_rng = None
-            on_run_start(data_fetcher)
+    def _no_window_after(self, counters: dict[str, Any]) -> bool:
+        """Whether training ends after the window these counters ended (max_steps or max_epochs reached)."""
+        trainer = self.trainer
+        max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+        if max_steps not in (None, -1) and counters[_STEPPED] >= max_steps:
+            return True
+        last_of_epoch = counters[_BATCH]["is_last_batch"]
+        epoch = counters[_EPOCH]["current"]["processed"]
+        return bool(last_of_epoch and max_epochs not in (None, -1) and epoch + 1 >= max_epochs)
 
-        return on_run_start_with_streams
+    def _settle_at_epoch_start(self, on_run_start: Callable[[Any], None]) -> Callable[[Any], None]:
+        def on_run_start_settled(data_fetcher: Any) -> None:
+            if self.settle_at == "streams at epoch start":
+                self._set_joining_streams()
+            on_run_start(data_fetcher)
+            if self.settle_at == "epoch start" and self.progress.pending is not None:
+                # every counter now, so that the epoch loop sees its last batch done and ends at once
+                self._joined(self.progress.pending, data_fetcher)
+                self.progress.pending = None
+                self._set_joining_streams()
+            self.settle_at = "first window"
+
+        return on_run_start_settled
+
+    def _set_joining_streams(self) -> None:
+        if self.joining_rng is not None:
+            set_rng_state(self.joining_rng)
+            self.joining_rng = None
 
     # ------------------------------------------------------------------ one window
 
@@ -231,9 +272,7 @@ class Driver:
             if pending is not None:
                 self.progress.pending = None
                 self._joined(pending, data_fetcher)
-            if self.joining_rng is not None:
-                set_rng_state(self.joining_rng)  # as the replica's step began; Lightning drew since (iter())
-                self.joining_rng = None
+            self._set_joining_streams()  # as the replica's step began; Lightning drew since (iter())
             self.progress.thaw()
             step = self.loop._batches_that_stepped  # noqa: SLF001 - the optimizer steps completed
             if step != rec.next_step:
@@ -244,6 +283,7 @@ class Driver:
             rec.next_step = rec.recover()  # a failure between windows reached this rank as the window began
         self.open, self.step = True, step
         self.window = []
+        self.modes = [module.training for module in self.trainer.lightning_module.modules()]
         self.began = time.monotonic()
 
     def _failed(self, exc: BaseException) -> None:
@@ -261,6 +301,12 @@ class Driver:
         rec.next_step = rec.recover()
         self.generation = rec.generation
         self.recovered_in_window = True
+        # a failure in the validation after the window's update left Lightning validating, its modules in eval mode
+        # (their train() comes at the validation's end): as every window begins
+        self.trainer.training = True
+        if self.modes is not None:
+            for module, training in zip(self.trainer.lightning_module.modules(), self.modes):
+                module.training = training
         self.strategy.model.zero_grad(set_to_none=True)  # what the interrupted micro-batches accumulated
         if rec.next_step == self.step:
             self.replay = fetched + self.replay
@@ -309,9 +355,9 @@ class Driver:
             return
         self.progress.fresh = False
         counters = progress["counters"]
-        if _ended_epoch(progress):
-            counters = _next_epoch(counters)
-        batches_done = counters["fit_loop.epoch_loop.batch_progress"]["current"]["ready"]
+        if _ended_epoch(progress) and self.settle_at != "epoch start":
+            counters = _next_epoch(counters)  # positioned at the next epoch's start
+        batches_done = counters[_BATCH]["current"]["ready"]
         self.progress.load_counters(counters)
         self.progress.load_extras(progress)
         data_fetcher.fetched += batches_done  # Lightning counts the epoch's batches to know the last one
@@ -321,6 +367,13 @@ class Driver:
     def _fit_run(self, run: Callable[[], None]) -> Callable[[], None]:
         def fit_run() -> None:
             run()
+            if self.progress.pending is not None and self.progress.fresh:
+                # a replacement whose loop never reached a window or an epoch: what it received is its state
+                self.progress.fresh = False
+                self.progress.load_counters(self.progress.pending["counters"])
+                self.progress.load_extras(self.progress.pending)
+                self.progress.pending = None
+                self._set_joining_streams()
             self.finish()  # fit's loop ended normally (also a replacement that joined after the last step)
 
         return fit_run
@@ -359,10 +412,16 @@ def _refuse_unsupported(trainer: Any) -> None:
                                  f"an optimizer step is not one window. {_OTHERWISE}")
 
 
+def _validates(trainer: Any) -> bool:
+    """Whether fit() may run a validation (the module has a validation_step and validation is not switched off)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return bool(is_overridden("validation_step", trainer.lightning_module) and trainer.limit_val_batches != 0)
+
+
 def _ended_epoch(progress: dict[str, Any]) -> bool:
     """Whether the progress is as its step ended the epoch (a replica between windows, before the epoch's end)."""
-    batch = progress["counters"]["fit_loop.epoch_loop.batch_progress"]
-    return bool(progress["ended"] and batch["is_last_batch"])
+    return bool(progress["ended"] and progress["counters"][_BATCH]["is_last_batch"])
 
 
 def _next_epoch(counters: dict[str, Any]) -> dict[str, Any]:
@@ -461,7 +520,7 @@ class _Progress:
 
     def _live(self) -> dict[str, Any]:
         counters = {name: tracker.state_dict() for name, tracker in _trackers(self.trainer.fit_loop, "fit_loop")}
-        counters["fit_loop.epoch_loop._batches_that_stepped"] = self.driver.loop._batches_that_stepped  # noqa: SLF001
+        counters[_STEPPED] = self.driver.loop._batches_that_stepped  # noqa: SLF001
         return {"counters": counters, "extras": self._extras(), "ended": False}
 
     def _extras(self) -> dict[str, Any]:
@@ -492,7 +551,7 @@ class _Progress:
         for name, tracker in _trackers(self.trainer.fit_loop, "fit_loop"):
             if name in counters:
                 tracker.load_state_dict(copy.deepcopy(counters[name]))
-        self.driver.loop._batches_that_stepped = counters["fit_loop.epoch_loop._batches_that_stepped"]  # noqa: SLF001
+        self.driver.loop._batches_that_stepped = counters[_STEPPED]  # noqa: SLF001
 
     def load_extras(self, sd: dict[str, Any]) -> None:
         from lightning.pytorch.trainer import call
