@@ -211,8 +211,6 @@ class Driver:
             if self.settle_at == "epoch start" and self.progress.pending is not None:
                 # every counter now, so that the epoch loop sees its last batch done and ends at once
                 self._joined(self.progress.pending, data_fetcher)
-                self.progress.pending = None
-                self._set_joining_streams()
             self.settle_at = "first window"
 
         return on_run_start_settled
@@ -353,14 +351,21 @@ class Driver:
         if not self.progress.fresh:
             self.progress.load_extras(progress)
             return
+        # positioned at the next epoch's start, unless it runs the replica's epoch end itself
+        self._take_received(progress, data_fetcher, convert=self.settle_at != "epoch start")
+
+    def _take_received(self, progress: dict[str, Any], data_fetcher: Any = None, convert: bool = True) -> None:
+        """A replacement takes everything it received (once): counters, extras and streams."""
         self.progress.fresh = False
+        self.progress.pending = None
         counters = progress["counters"]
-        if _ended_epoch(progress) and self.settle_at != "epoch start":
-            counters = _next_epoch(counters)  # positioned at the next epoch's start
-        batches_done = counters[_BATCH]["current"]["ready"]
+        if convert and _ended_epoch(progress):
+            counters = _next_epoch(counters)
         self.progress.load_counters(counters)
         self.progress.load_extras(progress)
-        data_fetcher.fetched += batches_done  # Lightning counts the epoch's batches to know the last one
+        if data_fetcher is not None:  # Lightning counts the epoch's batches to know the last one
+            data_fetcher.fetched += counters[_BATCH]["current"]["ready"]
+        self._set_joining_streams()
 
     # ------------------------------------------------------------------ the end
 
@@ -369,11 +374,7 @@ class Driver:
             run()
             if self.progress.pending is not None and self.progress.fresh:
                 # a replacement whose loop never reached a window or an epoch: what it received is its state
-                self.progress.fresh = False
-                self.progress.load_counters(self.progress.pending["counters"])
-                self.progress.load_extras(self.progress.pending)
-                self.progress.pending = None
-                self._set_joining_streams()
+                self._take_received(self.progress.pending, convert=False)
             self.finish()  # fit's loop ended normally (also a replacement that joined after the last step)
 
         return fit_run
