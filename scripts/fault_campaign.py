@@ -66,7 +66,7 @@ MARKER = "SWIFTRUN_CAMPAIGN_MARKER"
 FAST = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "4", "--no-dashboard"]
 KINDS = ("sigkill", "sigstop", "exception", "exit", "segfault")
 # phases the campaign knows; only those the runtime accepts are drawn (FaultSpec.PHASES)
-ALL_PHASES = ("forward", "backward", "allreduce", "step", "after-step", "recover", "import",
+ALL_PHASES = ("forward", "backward", "allreduce", "update", "step", "after-step", "recover", "import",
               "scheduler", "collective", "save", "transfer")
 
 # name -> (script, script arguments (without --save-dir), has a scheduler, calls collectives itself)

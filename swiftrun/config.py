@@ -61,7 +61,7 @@ class Entrypoint:
 class FaultSpec:
     """A fault the runtime injects into one rank (tests and demos only).
 
-    ``phase`` is one of forward, backward, allreduce, step, scheduler, after-step, collective, save, recover,
+    ``phase`` is one of forward, backward, allreduce, update, step, scheduler, after-step, collective, save, recover,
     transfer, help, exchange, import, connect (see swiftrun/runtime/worker/faults.py for where each fires);
     ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil, deaf (the rank's next gloo
     all-reduce wait never ends by itself, as when gloo leaves a send blocked: only an ABORT ends it).
@@ -74,7 +74,7 @@ class FaultSpec:
     kind: str
     every_incarnation: bool = False
 
-    PHASES = ("forward", "backward", "allreduce", "step", "scheduler", "after-step", "collective", "save",
+    PHASES = ("forward", "backward", "allreduce", "update", "step", "scheduler", "after-step", "collective", "save",
               "recover", "transfer", "help", "exchange", "import", "connect")
     KINDS = ("sigkill", "exception", "exit", "sigstop", "segfault", "hang-gil", "deaf")
 

@@ -69,7 +69,10 @@ def assert_one_rank_replaced(records: list[dict], rank: int, seed: int | None = 
     assert len(pids[rank]) == 2, pids  # the lost rank's process and its replacement
     assert all(len(pids[r]) == 1 for r in range(WORLD) if r != rank), pids  # the survivors kept theirs
     warnings = [r["message"] for r in records if r["event"] == "warning"]
-    assert not [w for w in warnings if "not the failure-free one" in w or "not exact" in w], (seed, warnings)
+    inexact = [w for w in warnings if "not the failure-free one" in w or "not exact" in w]
+    # the whole story on a failure: a random moment's draw is replayed by its seed, the moment itself is not
+    assert not inexact, f"seed {seed}: {inexact}\nrecoveries: {ends}\n" + "\n".join(
+        str(r) for r in records if r["event"] in ("worker_failed", "recovery_start", "recovered", "warning"))
 
 
 @pytest.mark.timeout(300)
@@ -80,11 +83,14 @@ def test_failure_free_hsdp_matches_torchrun(reference, tmp_path, marker):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["1:4:forward:sigkill", "0:3:after-step:sigkill"])
+@pytest.mark.parametrize("fault", ["1:4:forward:sigkill", "0:3:after-step:sigkill", "1:5:update:sigkill"])
 def test_a_killed_hsdp_rank_is_replaced_in_place_from_its_replica(fault, reference, tmp_path, marker):
     """Mid-forward (the survivors of the other shard may be in their backward: their gradients on the unsharded
-    parameters must not leak into the redo), or right after the update of the rank that is its set's source.
-    The three others keep their processes; every rank ends bitwise as the failure-free run."""
+    parameters must not leak into the redo), right after the update of the rank that is its set's source, or
+    after the step's last collective and before its own update (the others may have applied theirs, while its
+    streams as of the next step, drawn from by its own dropout, were backed up nowhere: the survivors undo, and
+    the step is redone from the start streams its replacement received). The three others keep their processes;
+    every rank ends bitwise as the failure-free run."""
     save, records = swiftrun_hsdp(tmp_path, marker, 8, "--fault", fault)
     assert_one_rank_replaced(records, int(fault.split(":")[0]))
     assert_bitwise(save, reference(8))

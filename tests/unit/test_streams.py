@@ -13,6 +13,7 @@ import torch
 from swiftrun.launcher.streams import StreamBackups
 from swiftrun.protocol.control import CommandKind, EventKind
 from swiftrun.runtime.core import streams
+from swiftrun.runtime.core.recovery import Recovery
 from swiftrun.runtime.core.txn import rng_state, set_rng_state
 from tests.unit.test_job import SIGKILL, _no_dns, of, sends, swift_running  # noqa: F401 (_no_dns: autouse)
 from swiftrun.launcher.actions import Spawn
@@ -113,3 +114,26 @@ def test_a_backup_read_after_its_senders_exit_is_kept_until_the_replacement_join
     assert by_slot[spawn.slot_id]["own_rng"] == {"3": "r1s3", "4": "r1s4"}
     sim.event(dead, EventKind.RNG_BACKUP, step=5, at="start", state="stale")
     assert sim.job.streams.of(1) == {"3": "r1s3", "4": "r1s4"}
+
+
+class _Holder:
+    """The attributes Recovery's stream methods read, without a process group behind them (a pure unit)."""
+
+    streams_held = Recovery.streams_held
+    own_streams_for = Recovery.own_streams_for
+    position = Recovery.position
+
+    def __init__(self, completed: int, joining: bool, backups: dict[int, dict]) -> None:
+        self.completed, self.partial, self.in_step, self.joining = completed, False, False, joining
+        self.stream_backups = backups
+        self._update_streams, self._draws_after_update = None, False
+        self.txn = type("NoSnapshots", (), {"rng_for": staticmethod(lambda step: None)})()
+
+
+def test_a_replacement_reports_the_steps_its_launcher_backups_hold_far_from_its_own_position():
+    # its predecessor began steps 14 and 15; the fresh process stands before step 0 (live streams of step 0):
+    # the HSDP consensus must hear of 14 and 15 to choose a point whose next step it can redo exactly
+    replacement = _Holder(-1, True, {14: {"s": 14}, 15: {"s": 15}})
+    assert replacement.streams_held(4) == [0, 14, 15]
+    assert replacement.streams_held(2) == [14, 15]  # the newest when there is no room for all
+    assert replacement.own_streams_for(15) == {"s": 15} and replacement.own_streams_for(16) is None

@@ -410,6 +410,13 @@ class Recovery:
         if own:
             self.stream_backups = {int(step): streams.decode(state) for step, state in own.items()}
 
+    def streams_held(self, most: int) -> list[int]:
+        """The newest ``most`` steps as of whose start this rank holds its own streams: those near its position
+        (snapshots, its update's backup, its live streams) and a replacement's backups from the launcher, which
+        lie wherever its predecessor was, far from the fresh process's own position."""
+        near = range(self.position - 1, self.position + 3)
+        return sorted(s for s in {*near, *self.stream_backups} if self.own_streams_for(s) is not None)[-most:]
+
     def own_streams_for(self, step: int) -> dict[str, Any] | None:
         """This rank's own streams as of ``step``'s start, if it has them: its snapshot of that step, its backup
         (a replacement), or its live streams when it stands right before that step."""
@@ -448,10 +455,19 @@ class Recovery:
         if not exact:
             warn(f"the ranks draw from random streams of their own (seeded per rank), and rank {self.rank}'s "
                  f"streams as of step {point + 1} were backed up nowhere (it failed before that step's backup "
-                 f"reached the launcher, or was behind the recovery point): it continues with rank {source}'s "
+                 f"reached the launcher, or was behind the recovery point; {self._where()}): it continues with "
+                 f"rank {source}'s "
                  "streams, so its dropout and other random draws repeat that rank's and the recovered run is "
                  "not the failure-free one")
         set_rng_state(state)
+
+    def _where(self) -> str:
+        """Where this rank stood when the recovery began, in words (for a warning that must be diagnosable)."""
+        if self.joining:
+            return f"it replaces a lost process, whose backups reached step(s) {sorted(self.stream_backups)}"
+        inside = f", inside step {self.step}" if self.in_step else ""
+        partial = ", part-way through its update" if self.partial else ""
+        return f"it had completed step {self.completed}{inside}{partial}"
 
     def from_source(self, source: int, point: int, group: Any = None) -> dict:
         """What a recovery's receivers take from its source besides the bulk state, broadcast over ``group``
@@ -510,7 +526,7 @@ class Recovery:
         if sharded and faults.planned("backward", "allreduce"):
             raise RegistrationError(
                 f"--fault ...:backward/allreduce cannot fire for a sharded model ({', '.join(sharded)}): its "
-                "parameters' gradient hooks never run; use the forward, step or after-step phases")
+                "parameters' gradient hooks never run; use the forward, update, step or after-step phases")
         if faults.planned("forward", "backward", "allreduce"):
             for module in self.reg.models:
                 module.register_forward_pre_hook(lambda *_: faults.fire("forward", self.step))
@@ -521,6 +537,7 @@ class Recovery:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(optimizer, args, kwargs):
+            faults.fire("update", self.step)
             if self.in_step and not self._stepped:
                 # the streams the next step starts with, unless the script draws after its update (optimizers
                 # draw none): a failure from here on may be rolled forward past this step. Sent before the

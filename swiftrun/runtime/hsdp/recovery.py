@@ -37,7 +37,7 @@ from swiftrun.runtime.worker import faults
 
 log = logging.getLogger("swiftrun.runtime")
 
-STREAM_STEPS = 4  # how many steps around its position a rank reports its own streams for
+STREAM_STEPS = 4  # how many steps a rank reports its own streams for (the newest it holds)
 
 
 class ShardedDataParallel(Strategy):
@@ -133,8 +133,7 @@ class ShardedDataParallel(Strategy):
         rec = self.rec
         status = RankStatus(rec.rank, rec.valid, rec.position, not rec.partial, rec.undoable(),
                             outside_step=rec.between_steps)
-        # the steps near this rank's position as of whose start it holds its own random streams
-        held = [s for s in range(rec.position - 1, rec.position + 3) if rec.own_streams_for(s) is not None]
+        held = rec.streams_held(STREAM_STEPS)
         row = status.pack() + held + [-9] * (STREAM_STEPS - len(held))
         mine = torch.tensor(row, dtype=torch.int64, device=rec.group.device())
         rows = [torch.empty_like(mine) for _ in range(rec.world_size)]

@@ -2,7 +2,9 @@
 
 The runtime calls :func:`fire` at named points of a training step: forward (the model's forward starts),
 backward (the first gradient is produced), allreduce (a gradient of the first layer is produced, so earlier
-buckets are being all-reduced), step (inside optimizer.step, after the update, before the runtime records it),
+buckets are being all-reduced), update (optimizer.step was called, after every collective of the step: nothing
+of the update is applied and the streams the next step starts with are backed up nowhere yet), step (inside
+optimizer.step, after the update, before the runtime records it),
 scheduler (a scheduler's step() returned), after-step (optimizer.step returned), collective (a torch.distributed
 collective the script calls itself: an evaluation all-reduce, a checkpoint barrier), save (torch.save is called;
 after the training loop the step is the number of steps, so ``R:TOTAL:save:K`` is a crash while saving the final
