@@ -10,14 +10,13 @@ its loss is reported with the next log; the training state must still be bitwise
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, draw_seed, event_records, run, run_killing_at_step, swiftrun_cmd
+from tests.helpers import EXAMPLES, event_records, run, swiftrun_cmd
 from tests.integration import framework_support
-from tests.integration.framework_support import outcomes, reference_runs
+from tests.integration.framework_support import kill_at_a_random_moment, outcomes, reference_runs
 
 pytest.importorskip("transformers")
 
@@ -88,15 +87,8 @@ def test_a_rank_killed_after_the_last_update_of_an_epoch_is_replaced_at_the_next
 @pytest.mark.timeout(360)
 def test_an_outside_sigkill_at_a_random_moment(reference, tmp_path, marker):
     """SIGKILL from outside, at a moment the test does not choose. Set SWIFTRUN_TEST_SEED to replay a draw."""
-    seed = draw_seed()
-    rng = random.Random(seed)
-    victim, at = rng.randrange(WORLD), rng.randrange(2, 30)
-    save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    code, output = run_killing_at_step(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events),
-                                                    str(SCRIPT), *LONG, "--save-dir", str(save)),
-                                       marker, events, victim, at, f"seed {seed}")
-    assert code == 0, f"seed {seed}: exit {code}\n{output[-4000:]}"
-    records = event_records(events)
+    kill = kill_at_a_random_moment(SCRIPT, LONG, WORLD, FAST, range(2, 30), tmp_path, marker)
+    seed, records, save = kill.seed, kill.records, kill.save
     if not outcomes(records):
         return  # it landed after training (the job had finished: no recovery, the victim may not have saved)
     assert outcomes(records) == ["recovered"], (seed, outcomes(records))

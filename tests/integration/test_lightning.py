@@ -9,14 +9,13 @@ state, lr and the schedule's state, global step, epoch, the torch RNG state and 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, draw_seed, event_records, run, run_killing_at_step, swiftrun_cmd
+from tests.helpers import EXAMPLES, event_records, run, swiftrun_cmd
 from tests.integration import framework_support
-from tests.integration.framework_support import outcomes, reference_runs
+from tests.integration.framework_support import kill_at_a_random_moment, outcomes, reference_runs
 
 pytest.importorskip("lightning")
 
@@ -127,15 +126,8 @@ def test_an_outside_sigkill_at_a_random_moment(reference, tmp_path, marker):
     """SIGKILL from outside, at a moment the test does not choose (once the event log shows an update in 2..47 of
     the run's 50, wherever in it the kill lands), in the script with its validations inside the epochs. Set
     SWIFTRUN_TEST_SEED to replay a draw."""
-    seed = draw_seed()
-    rng = random.Random(seed)
-    victim, at = rng.randrange(WORLD), rng.randrange(2, 48)
-    save, events = tmp_path / "save", tmp_path / "events.jsonl"
-    code, output = run_killing_at_step(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events),
-                                                    str(SCRIPT), *LONG, "--save-dir", str(save)),
-                                       marker, events, victim, at, f"seed {seed}")
-    assert code == 0, f"seed {seed}: exit {code}\n{output[-4000:]}"
-    records = event_records(events)
+    kill = kill_at_a_random_moment(SCRIPT, LONG, WORLD, FAST, range(2, 48), tmp_path, marker)
+    seed, records, save = kill.seed, kill.records, kill.save
     if not outcomes(records):
         return  # it landed after training (the job had finished: no recovery, the victim may not have saved)
     assert outcomes(records) == ["recovered"] and not restarts(records), (seed, outcomes(records))

@@ -34,6 +34,7 @@ ModelCheckpoint save left half written (docs/guide/frameworks.md).
 from __future__ import annotations
 
 import copy
+import enum
 import time
 from typing import Any, Callable
 
@@ -54,6 +55,18 @@ _STEPPED = "fit_loop.epoch_loop._batches_that_stepped"
 # the way out a refusal offers
 _OTHERWISE = ("or use Lightning's own DDPStrategy under swiftrun: a failure then restarts every worker "
               "(--max-restarts)")
+
+
+class Settle(enum.Enum):
+    """Where a replacement takes the counters and streams it received from its replica."""
+
+    FIRST_WINDOW = "first window"  # the usual case: as its first window begins
+    # its replica was between an epoch's last window and the next epoch: the streams go in before that epoch's
+    # iterator draws its seed, the counters at the first window
+    STREAMS_AT_EPOCH_START = "streams at epoch start"
+    # training ended with the replica's last window: counters and streams at the start of that epoch, whose end
+    # this rank then runs
+    EPOCH_START = "epoch start"
 
 
 class UnsupportedTrainer(TypeError):
@@ -85,9 +98,7 @@ class Driver:
         self.joining_rng: dict[str, Any] | None = None  # a replacement's streams, set again when its first step begins
         self.sampler: ResumableDistributedSampler | None = None
         self.position: tuple[int, int] | None = None  # (epoch, batches into it) a replacement starts at
-        # where a replacement takes its received counters: its first window, or its epoch's start (streams
-        # first, or counters and streams when training ended with the replica's last window)
-        self.settle_at = "first window"
+        self.settle_at = Settle.FIRST_WINDOW
         self.fetch_draws = False
         self.modes: list[bool] | None = None  # every module's train/eval mode as the window began
         self.began = 0.0
@@ -171,19 +182,19 @@ class Driver:
         epoch_sd = counters[_EPOCH]
         epoch = epoch_sd["current"]["processed"]
         batches = counters[_BATCH]["current"]["ready"]
-        self.settle_at = "first window"
+        self.settle_at = Settle.FIRST_WINDOW
         if progress["ended"] and self._no_window_after(counters):
             # training ended with the replica's last window: this rank runs what Lightning runs after it, that
             # epoch's end (rank 0 saves the last checkpoint there), with the received counters and streams, and
             # with the collectives skipped (the others ran them)
-            self.settle_at = "epoch start"
+            self.settle_at = Settle.EPOCH_START
         elif _ended_epoch(progress):
             # the replica was between an epoch's last window and the next epoch: the streams it sent are its live
             # ones, before the next epoch's iterator drew its seed from them, so they are set before this rank's
             # iterator of that epoch is made (its own set-up drew from them too)
             epoch, batches = epoch + 1, 0
-            self.settle_at = "streams at epoch start"
-        if self.settle_at != "first window":
+            self.settle_at = Settle.STREAMS_AT_EPOCH_START
+        if self.settle_at is not Settle.FIRST_WINDOW:
             self.loop.on_run_start = self._settle_at_epoch_start(self.loop.on_run_start)
         self.position = (epoch, batches)
         fit_progress = self.trainer.fit_loop.epoch_progress
@@ -205,13 +216,13 @@ class Driver:
 
     def _settle_at_epoch_start(self, on_run_start: Callable[[Any], None]) -> Callable[[Any], None]:
         def on_run_start_settled(data_fetcher: Any) -> None:
-            if self.settle_at == "streams at epoch start":
+            if self.settle_at is Settle.STREAMS_AT_EPOCH_START:
                 self._set_joining_streams()
             on_run_start(data_fetcher)
-            if self.settle_at == "epoch start" and self.progress.pending is not None:
+            if self.settle_at is Settle.EPOCH_START and self.progress.pending is not None:
                 # every counter now, so that the epoch loop sees its last batch done and ends at once
                 self._joined(self.progress.pending, data_fetcher)
-            self.settle_at = "first window"
+            self.settle_at = Settle.FIRST_WINDOW
 
         return on_run_start_settled
 
@@ -352,7 +363,7 @@ class Driver:
             self.progress.load_extras(progress)
             return
         # positioned at the next epoch's start, unless it runs the replica's epoch end itself
-        self._take_received(progress, data_fetcher, convert=self.settle_at != "epoch start")
+        self._take_received(progress, data_fetcher, convert=self.settle_at is not Settle.EPOCH_START)
 
     def _take_received(self, progress: dict[str, Any], data_fetcher: Any = None, convert: bool = True) -> None:
         """A replacement takes everything it received (once): counters, extras and streams."""
