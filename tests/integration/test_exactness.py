@@ -113,9 +113,12 @@ CASES = {
 }
 
 
-# variants whose mechanism another case already exercises in the default suite (the registry's unwrapping: the
-# unwrapped module; several registered objects: undo-keeps-the-lr's EMA): extended, to keep CI inside its budget
-EXTENDED_CASES = {"compiled-ddp", "two-models"}
+# variants whose mechanism another test already exercises in the default suite, extended to keep CI inside its
+# budget: the registry's unwrapping (unwrapped-module), several registered objects (undo-keeps-the-lr's EMA),
+# rank 0's buffers lost with it (the two test_buffers_lost_with_rank_0 tests below), a static graph
+# (test_static_graph_recovered_before_ddp_reports_its_rebuilt_buckets), collectives after the guard (test_zoo's
+# checkpoint barrier and skipped evaluation all-reduce)
+EXTENDED_CASES = {"compiled-ddp", "two-models", "buffers-of-a-dead-rank-0", "static-graph", "tail-collectives"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED_CASES else c
