@@ -118,8 +118,9 @@ def test_rank_0_killed_in_the_last_update_is_replaced_and_saves_the_last_checkpo
     assert (save / "lightning" / "lightning_logs" / "version_0" / "checkpoints" / "epoch=1-step=10.ckpt").exists()
 
 
-# extended: seed 202 failed once after 247 s (2026-12-07, not yet understood); until it is, the random kill runs
-# with SWIFTRUN_FULL_SUITE=1 and the fixed kills above keep the default suite honest
+# extended: seed 202 failed once after 247 s under load (2026-12-07; replayed later it passed, as did 5 other
+# seeds, so still not understood); until it is, the random kill runs with SWIFTRUN_FULL_SUITE=1 and the fixed
+# kills above keep the default suite honest
 @pytest.mark.extended
 @pytest.mark.timeout(360)
 def test_an_outside_sigkill_at_a_random_moment(reference, tmp_path, marker):
