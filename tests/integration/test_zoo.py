@@ -43,6 +43,7 @@ ARGS = {  # short runs: a few seconds each beyond importing torch
     "powersgd": ("--steps", "12"),
     "streaming": ("--steps", "12"),
     "accelerate_loop": ("--steps", "12"),
+    "fabric_loop": ("--steps", "12"),
 }
 
 
@@ -281,6 +282,20 @@ def test_registered_state_fed_by_a_skipped_evaluation_all_reduce_is_refused_loud
     assert proc.returncode == 1
     assert "replicas differ before step 10" in proc.stderr and "user.eval_sum" in proc.stderr, proc.stderr[-3000:]
     assert "was skipped" in proc.stderr  # the skipped all-reduce was named at its call site
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["1:5:forward:sigkill",
+                                   pytest.param("0:7:after-step:sigkill", marks=pytest.mark.extended)])
+def test_a_fabric_loop_is_recovered_in_place(fault, zoo_reference, tmp_path, marker):
+    """What fabric.setup() returned (a _FabricModule around Fabric's own DDP, a _FabricOptimizer) is registered as
+    it is; Fabric joined the job's group itself. Killed mid-forward, or rank 0 after its update of the last step
+    of epoch 0: the job ends bitwise as torchrun's failure-free run of the same script."""
+    pytest.importorskip("lightning")
+    save, records = swiftrun_zoo("fabric_loop", tmp_path, marker, faults=(fault,))
+    assert [r["outcome"] for r in recoveries(records)] == ["recovered"]
+    assert [r["message"] for r in records if r["event"] == "warning"] == []
+    assert_same_as_reference(save, zoo_reference("fabric_loop"), records)
 
 
 @pytest.mark.timeout(300)
