@@ -46,6 +46,22 @@ def generator(seed: int, *parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
+class Samples(torch.utils.data.Dataset):
+    """A fixed regression set drawn from ``seed`` (the custom Accelerate and Fabric loops): ``(x, tanh(sum of x's
+    first 4 features))``."""
+
+    def __init__(self, size: int, features: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, features, generator=g)
+        self.y = torch.tanh(self.x[:, :4].sum(dim=1, keepdim=True))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
 def _number(value: Any) -> torch.Tensor | None:
     if isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)

@@ -22,20 +22,7 @@ import torch
 from torch import nn
 
 import swiftrun
-from _common import final_state, save_final
-
-
-class Samples(torch.utils.data.Dataset):
-    def __init__(self, size: int, features: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(size, features, generator=g)
-        self.y = torch.tanh(self.x[:, :4].sum(dim=1, keepdim=True))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[index], self.y[index]
+from _common import Samples, final_state, save_final
 
 
 def main() -> None:
