@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from swiftrun.launcher.store import free_port
+
 STARTED_UNIX = time.time()  # before torch is imported: a restarted worker's import time is part of its cost
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
@@ -78,12 +80,6 @@ def event(name: str, **fields: object) -> None:
 
 
 # ------------------------------------------------------------------ supervisor (no torch import: starts at once)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -138,7 +134,7 @@ def supervise(opts: argparse.Namespace, train_argv: list[str]) -> int:
     barrier = tempfile.mkdtemp(prefix="peer-torchft-barrier-")
     started: list[subprocess.Popen] = []
     try:
-        port = free_port()
+        port = free_port("127.0.0.1")
         t0 = time.monotonic()
         lighthouse = subprocess.Popen(lighthouse_cmd(opts, port))
         started.append(lighthouse)
