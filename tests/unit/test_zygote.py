@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
 from swiftrun.errors import ProtocolError
-from swiftrun.launcher.zygote import FORK_ANSWER_TIMEOUT, ZygoteClient, ZygoteState
+from swiftrun.launcher.zygote import FORK_ANSWER_TIMEOUT, STOPPED_CHECK, ZygoteClient, ZygoteState
 from swiftrun.protocol import zygote as wire
 from swiftrun.runtime.zygote import thread_count
 from swiftrun.protocol.zygote import ZygoteKind
@@ -67,19 +68,24 @@ def test_a_malformed_datagram_closes_its_descriptors():
         b.close()
 
 
-def test_pending_forks_time_out_only_once_the_zygote_is_warm(monkeypatch):
+def test_pending_forks_time_out_only_once_the_zygote_is_warm():
+    # Times relative to the real monotonic clock: next_deadline also caps its answer at now + STOPPED_CHECK, and a
+    # freshly booted machine's clock can read under a few hundred seconds (a fixed 100.0 made this test fail there).
+    t0 = time.monotonic() - 1000.0
     client = ZygoteClient()
     client.state = ZygoteState.WARMING
-    client.started_at = 100.0
-    client.pending = {1: 100.0}
-    assert client.overdue(100.0 + FORK_ANSWER_TIMEOUT + 1, startup_timeout=600) is None  # still importing torch
-    assert "startup-timeout" in client.overdue(100.0 + 601, startup_timeout=600)
-    assert client.next_deadline(600) == 700.0  # no busy wake-ups while it warms up
+    client.started_at = t0
+    client.pending = {1: t0}
+    assert client.overdue(t0 + FORK_ANSWER_TIMEOUT + 1, startup_timeout=600) is None  # still importing torch
+    assert "startup-timeout" in client.overdue(t0 + 601, startup_timeout=600)
+    assert client.next_deadline(600) == t0 + 600  # the warm-up deadline, not the FORK answer's
     client.state = ZygoteState.WARM
-    client.pending = {1: 200.0}
-    assert client.overdue(200.0 + FORK_ANSWER_TIMEOUT / 2, startup_timeout=600) is None
-    assert "no answer" in client.overdue(200.0 + FORK_ANSWER_TIMEOUT + 1, startup_timeout=600)
-    assert client.next_deadline(600) == 200.0 + FORK_ANSWER_TIMEOUT
+    client.pending = {1: t0 + 100}
+    assert client.overdue(t0 + 100 + FORK_ANSWER_TIMEOUT / 2, startup_timeout=600) is None
+    assert "no answer" in client.overdue(t0 + 100 + FORK_ANSWER_TIMEOUT + 1, startup_timeout=600)
+    assert client.next_deadline(600) == t0 + 100 + FORK_ANSWER_TIMEOUT
+    client.pending = {1: time.monotonic() + 3600}  # far off: still woken to check that the zygote is not stopped
+    assert client.next_deadline(600) <= time.monotonic() + STOPPED_CHECK
 
 
 def test_a_failed_zygote_hands_back_what_it_did_not_fork():
