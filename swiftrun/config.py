@@ -63,8 +63,8 @@ class FaultSpec:
 
     ``phase`` is one of forward, backward, allreduce, update, step, scheduler, after-step, collective, save, recover,
     transfer, help, exchange, import, connect (see swiftrun/runtime/worker/faults.py for where each fires);
-    ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil, deaf (the rank's next gloo
-    all-reduce wait never ends by itself, as when gloo leaves a send blocked: only an ABORT ends it).
+    ``kind`` is one of sigkill, exception, exit, sigstop, segfault, hang-gil, deaf (the rank's next watched gloo
+    wait never ends by itself, as when gloo leaves a send blocked: only an ABORT ends it).
     ``every_incarnation`` makes replacements of that rank fail the same way (a deterministic crash).
     """
 

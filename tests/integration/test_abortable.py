@@ -29,3 +29,13 @@ def test_a_ddp_backward_blocked_inside_gloo_ends_with_the_abort_and_its_group_is
         assert "aborted by a swiftrun recovery" in out["error"], out
         assert out["blocked"] and out["kept"] == 1, out
         assert out["dropped"], out  # dropping the DDP module and the group did not join the blocked gloo thread
+
+
+def test_an_async_collective_of_the_script_is_a_work_whose_wait_the_abort_ends(tmp_path, marker):
+    outs = run_world(tmp_path, marker, "async")
+    for out in outs:  # the one every rank joined: gloo's sum, through a dist.Work of ours
+        assert out is not None and out["is_work"] and out["waited"] and out["success"], outs
+        assert out["result"] == [6.0] * 4, out
+    for out in outs[:2]:  # the one rank 2 never joined: only the abort ended its wait
+        assert "aborted by a swiftrun recovery" in out["error"], out
+        assert out["blocked"] and out["kept"] == 1 and out["dropped"], out

@@ -96,6 +96,23 @@ def test_a_killed_hsdp_rank_is_replaced_in_place_from_its_replica(fault, referen
     assert_bitwise(save, reference(8))
 
 
+@pytest.mark.timeout(300)
+def test_an_hsdp_survivor_deaf_in_fsdps_all_gather_is_released_by_the_abort(reference, tmp_path, marker):
+    """The gloo race that leaves a send blocked after the abort shut its connections (docs/ARCHITECTURE.md), made
+    deterministic inside FSDP2: rank 0 never hears that its first all-gather of step 5 completed, and rank 2 dies
+    at the start of step 5. Only the abort can end rank 0's wait, so it must stay a survivor (not be replaced
+    after --recovery-timeout) and every rank end bitwise as the failure-free run."""
+    save, events = tmp_path / "save", tmp_path / "events.jsonl"
+    proc = run(swiftrun_cmd("--nproc-per-node", str(WORLD), *FAST, "--event-log", str(events),
+                            "--fault", "0:4:update:deaf", "--fault", "2:5:forward:sigkill", "--recovery-timeout", "200",
+                            str(SCRIPT), "--steps", "8", *DEVICE, "--save-dir", str(save)), marker, timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}\n" + output[-4000:]
+    assert "rank 0 never hears that dist.all_gather_single completed" in output, output[-4000:]
+    assert_one_rank_replaced(event_records(events), 2)
+    assert_bitwise(save, reference(8))
+
+
 @pytest.mark.timeout(360)
 def test_an_outside_sigkill_of_a_random_hsdp_rank_at_a_random_moment(reference, tmp_path, marker):
     """SIGKILL from outside, at a moment the test does not choose (the step is drawn, the moment within it is

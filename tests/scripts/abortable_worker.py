@@ -11,6 +11,10 @@ Scenarios (world 3, gloo on CPU):
          connection up (what the abort's socket shutdown cannot release: session 4's "deaf survivor"). Another
          thread aborts the pending waits once they exist; the backward must raise, the group be found blocked and
          kept, the DDP module and group be dropped without joining the blocked gloo thread, and the process exit 0.
+  async  the same with the script's own ``dist.all_reduce(..., async_op=True)`` issued through the abortable path
+         (how runtime/comm/collectives.py issues it, and FSDP2 its prefetching all-gather): first one every rank
+         joins (its handle a ``dist.Work`` whose wait and result are gloo's sum), then one rank 2 never joins,
+         whose ``wait()`` must end with the abort.
 """
 
 from __future__ import annotations
@@ -67,13 +71,23 @@ def exact(rank: int) -> dict:
             "buffers": bool(buffers) and all(buffers)}
 
 
-def deaf(rank: int, store: dist.Store) -> dict:
+def async_all_reduce(tensor: torch.Tensor) -> abortable.WatchedWork:
+    return abortable.call("all_reduce", dist.all_reduce, (tensor,), {"async_op": True})
+
+
+def deaf(rank: int, store: dist.Store, scenario: str) -> dict:
     ddp = DistributedDataParallel(model())
     ddp_tools.rebind(ddp, None)
     abortable.PENDING.open(0)
+    joined = {}
+    if scenario == "async":  # one that every rank joins: a real handle, gloo's result
+        tensor = torch.full((4,), float(rank + 1))
+        work = async_all_reduce(tensor)
+        joined = {"is_work": isinstance(work, dist.Work), "waited": work.wait(),
+                  "result": work.result()[0].tolist(), "success": work.is_success()}
     if rank == 2:  # alive, connected, never joins: the others' all-reduce cannot finish inside gloo
         store.wait(["done0", "done1"], timedelta(seconds=60))
-        return {"rank": 2}
+        return {"rank": 2, **joined}
 
     def abort_when_waiting() -> None:
         end = time.monotonic() + DEADLINE
@@ -85,7 +99,10 @@ def deaf(rank: int, store: dist.Store) -> dict:
     aborter.start()
     error = ""
     try:
-        ddp(torch.randn(4, 32)).sum().backward()
+        if scenario == "async":
+            async_all_reduce(torch.ones(4)).wait()
+        else:
+            ddp(torch.randn(4, 32)).sum().backward()
     except RuntimeError as exc:
         error = str(exc)
     blocked = abortable.PENDING.blocked(0)
@@ -100,7 +117,8 @@ def deaf(rank: int, store: dist.Store) -> dict:
         dropped.set()
 
     threading.Thread(target=drop, daemon=True).start()
-    result = {"rank": rank, "error": error, "blocked": blocked, "kept": kept, "dropped": dropped.wait(DEADLINE)}
+    result = {"rank": rank, "error": error, "blocked": blocked, "kept": kept, "dropped": dropped.wait(DEADLINE),
+              **joined}
     store.set(f"done{rank}", "1")
     return result
 
@@ -109,7 +127,7 @@ def main() -> None:
     rank, world, init, out, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     store = dist.FileStore(init, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    result = exact(rank) if scenario == "exact" else deaf(rank, store)
+    result = exact(rank) if scenario == "exact" else deaf(rank, store, scenario)
     with open(out, "w") as f:
         json.dump(result, f)
     if scenario == "exact":

@@ -12,8 +12,9 @@ Two things make that wait end with the abort, whatever gloo does:
 - the training thread never waits on a gloo future directly: it waits on a future of ours (:meth:`PendingOps.watch`)
   that completes with gloo's, or fails as soon as the link thread receives ABORT (:meth:`PendingOps.abort`).
   DDP's gradient all-reduce goes through :func:`allreduce_hook` and its buffer broadcast through
-  :func:`broadcast_coalesced` (both installed by runtime/comm/ddp.py ``rebind``), the script's own collectives through
-  :func:`call` (runtime/comm/collectives.py);
+  :func:`broadcast_coalesced` (both installed by runtime/comm/ddp.py ``rebind``), the script's own collectives, and
+  FSDP2's all-gathers and reduce-scatters (``dist.all_gather_single``, ``dist.reduce_scatter_single``), through
+  :func:`call` (runtime/comm/collectives.py), an asynchronous one's handle a :class:`WatchedWork`;
 - a group whose operation may still block a gloo worker thread is never destroyed: ``ProcessGroupGloo``'s
   destructor joins its worker threads, so dropping the last reference would block whoever dropped it for that
   same timeout (measured: 14.7 s with a 15 s timeout, 0.4 s when kept). :func:`keep_forever` holds such groups
@@ -198,7 +199,7 @@ def allreduce_hook(state: tuple[Any, PendingOps], bucket: dist.GradBucket) -> to
     buffer.mul_(1.0 / group.size())
     work = group.allreduce([buffer])  # the group's own method: not the script's (wrapped, maybe logged) all_reduce
     source = work.get_future()
-    if faults.take_deaf():  # fault injection: gloo completes the all-reduce, this rank never hears of it
+    if faults.take_deaf("DDP's gradient all-reduce"):  # fault injection: gloo completes it, this rank never hears
         source = torch.futures.Future()
     return pending.watch(source, first=True)
 
@@ -249,18 +250,57 @@ _GROUP_ARG = {
     "all_reduce": (2, "group"), "broadcast": (2, "group"), "reduce": (3, "group"), "all_gather": (2, "group"),
     "all_gather_into_tensor": (2, "group"), "reduce_scatter": (3, "group"), "reduce_scatter_tensor": (3, "group"),
     "gather": (3, "group"), "scatter": (3, "group"), "all_to_all": (2, "group"), "all_to_all_single": (4, "group"),
-    "barrier": (0, "group"),
+    "barrier": (0, "group"), "all_gather_single": (2, "group"), "reduce_scatter_single": (3, "group"),
 }
 
 
+class WatchedWork(dist.Work):
+    """The handle of an ``async_op=True`` collective whose ``wait()`` the abort can end: FSDP2 waits itself on the
+    work of a prefetching all-gather, and checks that it is a ``dist.Work``, so this is one; anything else a
+    caller asks of it is the wrapped work's answer."""
+
+    def __init__(self, work: Any, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._work = work
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()  # raises the abort's error, or gloo's own
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:  # noqa: BLE001 - failed: not a success, whatever the reason
+            return False
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._work.result()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 def call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, pending: PendingOps = PENDING) -> Any:
-    """``fn(*args, **kwargs)`` for a synchronous collective, its wait abortable when it runs on gloo with CPU
-    tensors; anything else (an async call the script waits on itself, another backend) runs unchanged."""
-    if name not in _GROUP_ARG or kwargs.get("async_op"):
+    """``fn(*args, **kwargs)`` for a collective, its wait abortable when it runs on gloo with CPU tensors: a
+    synchronous call waits here, an asynchronous one returns a :class:`WatchedWork`. Anything else (another
+    backend, CUDA tensors) runs unchanged."""
+    if name not in _GROUP_ARG:
         return fn(*args, **kwargs)
     index, keyword = _GROUP_ARG[name]
-    if len(args) > index + 1:  # async_op given by position: the script waits on its own handle
-        return fn(*args, **kwargs)
+    if len(args) > index + 1:  # async_op given by position
+        args, kwargs = args[:index + 1], {**kwargs, "async_op": args[index + 1]}
+    asynchronous = bool(kwargs.get("async_op"))
     group = args[index] if len(args) > index else kwargs.get(keyword)
     group = group if group is not None else dist.group.WORLD
     tensors = tensor_args(args, kwargs)
@@ -270,11 +310,18 @@ def call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, pending: 
     if work is None:  # this rank is not in the group: torch returns at once
         return None
     try:
-        future = work.get_future()
+        source = work.get_future()
     except RuntimeError:  # an operation whose work has no future: waited on as torch would
+        if asynchronous:
+            return work
         work.wait()
         return None
-    pending.watch(future).wait()
+    if faults.take_deaf(f"dist.{name}"):  # fault injection: gloo completes it, this rank never hears of it
+        source = torch.futures.Future()
+    watched = pending.watch(source)
+    if asynchronous:
+        return WatchedWork(work, watched)
+    watched.wait()
     return None
 
 

@@ -43,6 +43,9 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
     "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
     "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    # torch 2.13's single-tensor forms, which FSDP2 issues for its all-gathers and reduce-scatters: without them
+    # a survivor waited on FSDP's collectives inside gloo, where the abort does not always reach (abortable.py)
+    "all_gather_single", "reduce_scatter_single",
 )
 
 class ScriptCollectives(Protocol):
@@ -184,7 +187,7 @@ def _skip(name: str, args: tuple, kwargs: dict, why: str) -> Any:
                 outputs[i].copy_(value)
             else:
                 outputs[i] = value
-    elif name == "all_gather_into_tensor":
+    elif name in ("all_gather_into_tensor", "all_gather_single"):
         output, value = _arg(args, kwargs, 0, "output_tensor"), _arg(args, kwargs, 1, "input_tensor")
         output.view(-1, *value.shape)[:] = value
     return Done() if kwargs.get("async_op") else None

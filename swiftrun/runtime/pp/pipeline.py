@@ -56,7 +56,8 @@ from swiftrun.runtime.worker.link import Link
 log = logging.getLogger("swiftrun.runtime")
 
 Key = tuple  # (step, kind, from_stage, to_stage, micro-batch, ordinal)
-_LOGGED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier")
+_LOGGED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                       "barrier")
 
 
 def stages_of(spec: Any) -> tuple[Any, list[Any]]:
@@ -626,7 +627,7 @@ def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [arg(0, "tensor")]
     if name == "all_gather":
         return list(arg(0, "tensor_list"))
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         return [arg(0, "output_tensor")]
     if name == "barrier":
         return []

@@ -80,10 +80,13 @@ def _after(fn, phase: str):
     return wrapped
 
 
-def take_deaf() -> bool:
-    """Whether a ``deaf`` fault wants this wait to hang (once per firing)."""
+def take_deaf(what: str) -> bool:
+    """Whether a ``deaf`` fault wants this wait (on ``what``, said on stderr) to hang (once per firing)."""
     global _deaf
     deaf, _deaf = _deaf, False
+    if deaf:
+        sys.stderr.write(f"swiftrun fault: rank {_rank} never hears that {what} completed (deaf)\n")
+        sys.stderr.flush()
     return deaf
 
 
@@ -109,7 +112,7 @@ def fire(phase: str, step: int) -> None:
     if before_failure is not None:
         before_failure()
     kind = fault.kind
-    if kind == "deaf":  # not a failure by itself: the training thread's next all-reduce wait hangs (abortable.py)
+    if kind == "deaf":  # not a failure by itself: the training thread's next watched gloo wait hangs (abortable.py)
         global _deaf
         _deaf = True
         return
